@@ -1,0 +1,157 @@
+"""`redteam-grpo`: run, resume, inspect the config, and generate from a checkpoint."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
+config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console(stderr=True)
+
+ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="YAML or JSON config file.")]
+SetOption = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Override one field: section.key=value (repeatable).")
+]
+
+
+def offline_environment(offline: bool) -> None:
+    """No network outside loopback unless asked: hub look-ups and Prefect analytics off.
+
+    Must run before prefect or transformers are imported (they read these at import time).
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["TRANSFORMERS_OFFLINE"] = "1"
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+
+def _load(config: Path | None, overrides: list[str] | None):
+    from redteam_grpo.core.config import ConfigError, Secrets, load_config
+
+    secrets = Secrets()  # HF_TOKEN etc. from the environment or ./.env
+    if secrets.hf_token is not None:
+        os.environ.setdefault("HF_TOKEN", secrets.hf_token.get_secret_value())
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def run(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory.")] = None,
+) -> None:
+    """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
+    cfg = _load(config, set_) if (config or set_ or not resume) else None
+    offline_environment(cfg.run.offline if cfg else True)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from redteam_grpo.flows.attack import attack_run
+    from redteam_grpo.storage.rundir import RunDirError
+
+    total = cfg.run.iterations if cfg else None
+    metrics_rows: list[dict] = []
+    progress = Progress(
+        TextColumn("[bold]GRPO"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        disable=cfg is not None and not cfg.logging.progress,
+    )
+    with progress:
+        bar = progress.add_task("", total=total)
+
+        def on_iteration(result: dict) -> None:
+            m = result["metrics"]
+            metrics_rows.append(m)
+            progress.update(bar, advance=1, description=f"reward {m['reward_mean']:.3f}")
+
+        try:
+            run_dir = attack_run(
+                config=cfg.model_dump(mode="json") if cfg else None,
+                resume=str(resume) if resume else None,
+                on_iteration=on_iteration,
+            )
+        except RunDirError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
+    _print_metrics(metrics_rows)
+    console.print(f"run directory: [bold]{run_dir}[/bold]")
+
+
+def _print_metrics(rows: list[dict]) -> None:
+    if not rows:
+        return
+    columns = [
+        ("iteration", "{:d}"),
+        ("reward_mean", "{:.3f}"),
+        ("toxicity_mean", "{:.3f}"),
+        ("repetition_mean", "{:.3f}"),
+        ("kl_mean", "{:.4f}"),
+        ("ratio_mean", "{:.4f}"),
+        ("ratio_std", "{:.4f}"),
+        ("entropy", "{:.3f}"),
+        ("length_mean", "{:.1f}"),
+    ]
+    table = Table(title="iterations")
+    for name, _ in columns:
+        table.add_column(name.removesuffix("_mean"), justify="right")
+    for row in rows:
+        table.add_row(*(fmt.format(row[name]) for name, fmt in columns))
+    Console().print(table)
+
+
+@config_app.command("show")
+def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
+    """Print the full config (defaults, or with a file and overrides applied), every field documented."""
+    from redteam_grpo.core.config import documented_defaults
+
+    if config or set_:
+        import yaml
+
+        cfg = _load(config, set_)
+        sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    else:
+        sys.stdout.write(documented_defaults())
+
+
+@app.command()
+def infer(
+    run: Annotated[Path, typer.Option("--run", help="Run directory.")],
+    prompt: Annotated[str, typer.Option(help="User prompt.")],
+    checkpoint: Annotated[int | None, typer.Option(help="Iteration of the checkpoint (default: latest).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Completion length limit.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+) -> None:
+    """Generate a response from a checkpoint of a run."""
+    offline_environment(True)
+    from redteam_grpo.tasks.infer import InferenceError, generate_from_checkpoint
+
+    try:
+        text = generate_from_checkpoint(run, prompt, checkpoint, max_new_tokens, temperature, seed)
+    except InferenceError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    app()

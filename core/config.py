@@ -1,0 +1,335 @@
+"""Run configuration: one pydantic model per stage, composed into `RunConfig`.
+
+Every field has a docstring (shown by `redteam-grpo config show`). Every model forbids unknown keys, so a
+mistyped key fails before any work starts and the error names it. The defaults are the embedded run (tiny
+offline models, small batches); the values of the reference system for real models (64 prompts x G=16) are
+in `configs/qwen3-4b-instruct.yaml`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    policy: str = "embedded:tiny-qwen3"
+    """Policy base model: a hub id (e.g. `Qwen/Qwen3-4B-Instruct-2507`), a local folder, or
+    `embedded:tiny-qwen3` (built offline on first use)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the policy; recorded in checkpoints."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype. float32 on CPU; bfloat16 on GPUs."""
+    system_prompt: str | None = "You are a helpful assistant."
+    """System message put before every prompt (the same for sampling, SFT, inference). None for no system turn."""
+    max_prompt_tokens: int = Field(256, gt=0)
+    """Prompts longer than this many tokens (after chat formatting) are refused at load time."""
+    lora_rank: int = Field(16, gt=0)
+    """LoRA rank r (reference system: 16)."""
+    lora_alpha: int = Field(32, gt=0)
+    """LoRA alpha; the adapter's scale is alpha / r."""
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """LoRA dropout. Dropout makes the importance ratio noisy; it is switched off in every forward that
+    compares logprobs (see core/policy.py)."""
+    lora_target_modules: list[str] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    """Module names that get LoRA adapters."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub. Off: only architectures transformers ships are loaded."""
+
+
+class SamplingConfig(_Section):
+    group_size: int = Field(8, ge=2)
+    """G: completions sampled per prompt (reference system: 16). At least 2, else there is no group baseline."""
+    max_new_tokens: int = Field(24, gt=0)
+    """Completion length limit; a completion that reaches it has finish_reason `length`."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature. The recorded logprobs and the trainer's ratio both use this tempered
+    distribution; the KL to the reference uses untempered logits on both sides."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling. Must be 1.0 in RL mode: the truncated distribution is not replayed by the trainer."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off). Must be 0 in RL mode, for the same reason as top_p."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Forbid end-of-turn for the first n tokens. Must be 0 in RL mode (it changes the distribution)."""
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    """HF repetition penalty. Must be 1.0 in RL mode (it changes the distribution and counts prompt tokens)."""
+    batch_size: int = Field(64, gt=0)
+    """Sequences per `generate` call (memory bound)."""
+    backend: Literal["hf"] = "hf"
+    """Sampling engine. `hf` = transformers `generate` in-process."""
+
+    @property
+    def changes_distribution(self) -> list[str]:
+        """Names of settings that make the sampled distribution differ from softmax(logits / T)."""
+        changed = []
+        if self.top_p < 1.0:
+            changed.append("top_p")
+        if self.top_k > 0:
+            changed.append("top_k")
+        if self.min_new_tokens > 0:
+            changed.append("min_new_tokens")
+        if self.repetition_penalty != 1.0:
+            changed.append("repetition_penalty")
+        return changed
+
+
+class TrainingConfig(_Section):
+    learning_rate: float = Field(3e-3, gt=0.0)
+    """AdamW learning rate (LoRA parameters only)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this value (None: no clipping)."""
+    kl_beta: float = Field(0.1, ge=0.0)
+    """Weight of KL(policy || base) in the reward (reference system: 0.1)."""
+    clip_epsilon: float | None = Field(None, gt=0.0)
+    """PPO-style ratio clipping to [1-eps, 1+eps]. None: plain importance-sampling policy gradient."""
+    loss_normalization: Literal["token", "sequence"] = "token"
+    """`token`: mean over all completion tokens of the batch; `sequence`: mean over sequences of the
+    per-sequence token mean."""
+    updates_per_batch: int = Field(1, ge=1)
+    """Optimizer steps on each sampled batch. The first one is on-policy (ratio = 1)."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Sequences per forward/backward; gradients are accumulated over the batch."""
+    scale_by_group_std: bool = False
+    """Divide advantages by the group's reward std (original GRPO). Off in the reference system."""
+    batch_zscore: bool = True
+    """Z-score rewards over the whole batch before group centering (reference system: on)."""
+    std_floor: float = Field(1e-2, gt=0.0)
+    """Lower bound of any std a reward is divided by: a group whose rewards are equal up to rounding
+    must not have its advantages multiplied by thousands."""
+    ratio_tolerance: float = Field(1e-3, gt=0.0)
+    """On the first update the mean |ratio - 1| must be below this, else the step is refused: the trainer
+    would not be computing the distribution the sampler drew from."""
+
+
+class DataConfig(_Section):
+    source: str = "bundled"
+    """`bundled` (the toy prompts shipped with the package), a local .jsonl/.csv/.parquet file, or a
+    Hugging Face dataset name (e.g. `PKU-Alignment/BeaverTails`)."""
+    split: str = "train"
+    """Dataset split (Hugging Face datasets only)."""
+    prompt_column: str = "prompt"
+    """Column that holds the prompt text."""
+    id_column: str | None = None
+    """Column with a stable prompt id; None: ids are derived from the row number."""
+    prompts_per_iteration: int = Field(8, gt=0)
+    """P: prompts per iteration (reference system: 64)."""
+    max_prompts: int | None = Field(None, gt=0)
+    """Use at most this many prompts of the source (after de-duplication)."""
+    shuffle: bool = True
+    """Shuffle the prompt order (seeded by run.seed)."""
+
+
+class RewardConfig(_Section):
+    scorer: str = "embedded:tiny-toxicity"
+    """Toxicity scorer: a Hugging Face sequence classifier (hub id or local folder) or
+    `embedded:tiny-toxicity`."""
+    toxic_label: str = "toxic"
+    """The classifier label whose probability is the toxicity score; checked against the model's id2label."""
+    toxicity_weight: float = 1.0
+    """Weight of the toxicity score (reference system: 1.0)."""
+    repetition_penalty: float = Field(0.3, ge=0.0)
+    """Weight of the completion's repeated n-gram ratio (reference system: 0.3)."""
+    repetition_ngram: int = Field(2, ge=1)
+    """n of the n-grams counted by the repetition ratio (over completion token ids only)."""
+    batch_size: int = Field(64, gt=0)
+    """Texts per scorer forward."""
+    max_length: int = Field(512, gt=0)
+    """Scorer input truncation (tokens)."""
+
+
+class LoggingConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level."""
+    progress: bool = True
+    """Show a progress bar (rich) over iterations."""
+
+
+class RunConfig(_Section):
+    """The whole configuration of one run."""
+
+    name: str = "redteam"
+    """Run name; the run id is `<name>-<timestamp>` unless run_id is given."""
+    run_id: str | None = None
+    """Fixed run id (folder name under runs_dir)."""
+    runs_dir: Path = Path("runs")
+    """Where run folders are created."""
+    iterations: int = Field(30, gt=0)
+    """GRPO iterations (each: sample, score, advantage, train step, checkpoint)."""
+    seed: int = 0
+    """Seed of everything: prompt order, LoRA init, sampling (per-iteration seeds derive from it)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device; auto = cuda if available."""
+    early_stop_reward: float | None = 0.8
+    """Stop when the iteration's mean reward exceeds this (reference system: 0.8). None: never."""
+    early_stop_repetition: float | None = 0.5
+    """Stop when the mean repetition ratio exceeds this (reference system: 0.5). None: never."""
+    keep_checkpoints: int | None = Field(None, gt=0)
+    """Keep only the newest n checkpoints (None: keep all)."""
+    offline: bool = True
+    """No network outside loopback: Hugging Face hub look-ups and Prefect analytics off."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    """Policy model and LoRA."""
+    sampling: SamplingConfig = SamplingConfig()
+    """Sampling of completions."""
+    training: TrainingConfig = TrainingConfig()
+    """GRPO update."""
+    data: DataConfig = DataConfig()
+    """Prompts."""
+    reward: RewardConfig = RewardConfig()
+    """Scoring and reward composition."""
+    logging: LoggingConfig = LoggingConfig()
+    """Logging and progress."""
+    run: RunConfig = RunConfig()
+    """Run directory, length, seed, early stopping."""
+
+    @model_validator(mode="after")
+    def _rl_mode_keeps_the_sampled_distribution(self) -> Config:
+        changed = self.sampling.changes_distribution
+        if changed:
+            raise ValueError(
+                f"sampling.{', sampling.'.join(changed)} change the distribution tokens are drawn from, and the "
+                "trainer does not replay them: the importance ratio would be wrong from the first step. "
+                "Set top_p=1.0, top_k=0, min_new_tokens=0, repetition_penalty=1.0 for RL runs "
+                "(they stay available for `redteam-grpo infer`)."
+            )
+        return self
+
+
+# Fields a resumed run may change: they do not alter what was computed so far.
+RESUMABLE_CHANGES = ("run.iterations", "run.early_stop_reward", "run.early_stop_repetition", "logging.")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key and the way out."""
+
+
+def _closest_key(bad_path: tuple[Any, ...]) -> str:
+    model: type[BaseModel] = Config
+    for part in bad_path[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ""
+        model = field.annotation
+    options = difflib.get_close_matches(str(bad_path[-1]), list(model.model_fields), n=1)
+    return f" (did you mean `{options[0]}`?)" if options else f" (known keys: {', '.join(model.model_fields)})"
+
+
+def validate_config(raw: dict[str, Any]) -> Config:
+    """Build a Config from a nested dict; errors name every offending key."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "config"
+            if err["type"] == "extra_forbidden":
+                lines.append(f"  {key}: unknown key{_closest_key(err['loc'])}")
+            else:
+                lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a nested dict."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(
+            f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `section.key=value` override in place; the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {assignment!r} is not of the form section.key=value")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {assignment!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+
+
+def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the file (if any), then dotted overrides, validated once at the end."""
+    raw = read_config_file(path) if path else {}
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return validate_config(raw)
+
+
+def config_differences(old: Config, new: Config) -> list[str]:
+    """Dotted names of the fields whose values differ."""
+
+    def flat(cfg: Config) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for section, values in cfg.model_dump(mode="json").items():
+            for key, value in values.items():
+                out[f"{section}.{key}"] = value
+        return out
+
+    a, b = flat(old), flat(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def documented_defaults() -> str:
+    """The full default config as YAML, with every field's docstring as a comment."""
+    lines = ["# redteam-grpo configuration (defaults). Override with --config FILE and --set section.key=value."]
+    defaults = Config().model_dump(mode="json")
+    for section, field in Config.model_fields.items():
+        lines.append("")
+        lines.append(f"# {field.description or ''}".rstrip())
+        lines.append(f"{section}:")
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        for key, sub in model.model_fields.items():
+            for doc_line in (sub.description or "").splitlines():
+                lines.append(f"  # {doc_line.strip()}")
+            dumped = yaml.safe_dump({key: defaults[section][key]}, default_flow_style=True, width=1000)
+            lines.append("  " + dumped.strip().removeprefix("{").removesuffix("}"))
+    return "\n".join(lines) + "\n"
+
+
+class Secrets(BaseSettings):
+    """Secrets from the environment or a `.env` file in the working directory; never stored in a run."""
+
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+    hf_token: SecretStr | None = None
+    """HF_TOKEN: Hugging Face token for gated models (Llama Guard) when run.offline is false."""

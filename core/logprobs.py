@@ -1,0 +1,58 @@
+"""The distribution tokens are sampled from, applied identically by the sampler and the trainer.
+
+The sampler hands `SamplingDistribution.process` to `generate` as its only logits processor and records
+`log_softmax` of its output at the drawn token; the trainer applies the same function to its own forward's
+logits. The importance ratio is therefore exactly 1 on the first update (to float tolerance), and any
+transformation `generate` adds on its own (a hidden top-k from a generation config) is caught by a check
+in the sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingDistribution:
+    temperature: float
+    suppressed_ids: tuple[int, ...] = ()  # tokens the policy may never draw (pad, turn headers)
+
+    def process(self, logits_N_V: torch.Tensor) -> torch.Tensor:
+        """Logits of the sampling distribution: suppressed tokens at -inf, divided by the temperature."""
+        logits = logits_N_V.float()
+        if self.suppressed_ids:
+            logits = logits.index_fill(-1, torch.tensor(self.suppressed_ids, device=logits.device), float("-inf"))
+        return logits / self.temperature
+
+    def logprobs(self, logits_N_V: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.process(logits_N_V), dim=-1)
+
+
+def token_logprobs(logprobs_B_C_V: torch.Tensor, token_ids_B_C: torch.Tensor) -> torch.Tensor:
+    """log p(token) at each position: [B, C]."""
+    return torch.gather(logprobs_B_C_V, -1, token_ids_B_C.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy(logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's distribution, -sum p log p, with 0 * -inf taken as 0: [B, C]."""
+    probs = logprobs_B_C_V.exp()
+    return -torch.where(probs > 0, probs * logprobs_B_C_V, torch.zeros_like(probs)).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over positions where mask is true. Uses `where`, not multiplication: masked values may be -inf."""
+    zeroed = torch.where(mask, values, torch.zeros_like(values))
+    if dim is None:
+        return zeroed.sum() / mask.sum().clamp(min=1)
+    return zeroed.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def pad_ragged(rows: Sequence[Sequence[float]], width: int, value: float = 0.0) -> torch.Tensor:
+    """A [len(rows), width] float tensor from ragged rows."""
+    out = torch.full((len(rows), width), value, dtype=torch.float32)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = torch.tensor(list(row), dtype=torch.float32)
+    return out

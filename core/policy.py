@@ -1,0 +1,194 @@
+"""Policy model: a base causal LM with one LoRA adapter; the reference is the same model, adapter disabled.
+
+One copy of the base weights serves both: the reference cannot drift from the base or pick up adapter
+weights (seed 001, bug 3). The model is kept in eval mode for every forward, so LoRA dropout never makes the
+logprobs of the same tokens differ between sampling and training (the importance ratio stays exactly 1 on the
+first update); `lora_dropout` is stored in the adapter config for compatibility only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from redteam_grpo.core.chat import end_of_turn_ids, turn_header_ids
+from redteam_grpo.core.config import ModelConfig
+from redteam_grpo.core.logprobs import SamplingDistribution, token_logprobs
+from redteam_grpo.core.masks import gather_completion_logits, pack_sequences
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PolicyError(RuntimeError):
+    """The policy cannot be trained as configured; the message says why and what to change."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PolicyError("run.device is 'cuda' but no CUDA device is visible: set run.device=cpu or auto")
+    return torch.device(device)
+
+
+def resolve_model_name(name: str) -> str:
+    """Hub id or folder; `embedded:*` names are built offline on first use."""
+    from redteam_grpo.core import embedded
+
+    return embedded.resolve_model_path(name) if embedded.is_embedded(name) else name
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model_name(cfg.policy), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        # Masks come from lengths, so pad == eos is safe here; generate only needs some pad id.
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise PolicyError(f"{cfg.policy} has no chat template: use an instruct/chat model")
+    return tokenizer
+
+
+@dataclass
+class Policy:
+    model: PeftModel
+    tokenizer: Any
+    end_of_turn_ids: list[int]
+    turn_header_ids: list[int]
+    distribution: SamplingDistribution
+    device: torch.device
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The frozen base: the same weights with the adapter switched off."""
+        with self.model.disable_adapter():
+            yield
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        expected = self.adapter_state()
+        missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+        if missing or unexpected:
+            raise PolicyError(
+                f"adapter does not fit this policy: missing {sorted(missing)[:3]}, unexpected "
+                f"{sorted(unexpected)[:3]}. Was it trained with another model.policy or lora settings?"
+            )
+        for key, tensor in state.items():
+            if tensor.shape != expected[key].shape:
+                raise PolicyError(
+                    f"adapter tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
+                )
+        set_peft_model_state_dict(self.model, state)
+
+    def save_adapter(self, path: Path) -> None:
+        save_file(self.adapter_state(), str(path))
+
+    def load_adapter(self, path: Path) -> None:
+        self.load_adapter_state(load_file(str(path)))  # safetensors: no pickle, no code
+
+
+def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed: int) -> Policy:
+    tokenizer = load_tokenizer(cfg)
+    base = AutoModelForCausalLM.from_pretrained(
+        resolve_model_name(cfg.policy),
+        revision=cfg.revision,
+        dtype=DTYPES[cfg.dtype],
+        trust_remote_code=cfg.trust_remote_code,
+    ).to(device)
+    present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
+    targets = [m for m in cfg.lora_target_modules if m in present]
+    if not targets:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise PolicyError(
+            f"none of model.lora_target_modules {cfg.lora_target_modules} exist in {cfg.policy}; "
+            f"its linear layers are named {linear}"
+        )
+    torch.manual_seed(seed)  # LoRA A init is random: seed it so a run is reproducible
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora)
+    model.eval()
+    policy = _wrap(model, tokenizer, temperature, device)
+    check_trainable(policy)
+    return policy
+
+
+def _wrap(model: PeftModel, tokenizer: Any, temperature: float, device: torch.device) -> Policy:
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eot = end_of_turn_ids(tokenizer, generation_eos)
+    headers = turn_header_ids(tokenizer)
+    pad = int(tokenizer.pad_token_id)
+    # A random or weak policy samples pad and turn headers mid-response; forbid them (the trainer replays this).
+    suppressed = tuple(sorted({*headers, *([pad] if pad not in eot else [])}))
+    return Policy(model, tokenizer, eot, headers, SamplingDistribution(temperature, suppressed), device)
+
+
+def check_trainable(policy: Policy) -> None:
+    """Refuse a policy that would train "successfully" without changing anything (issue: no trainable params)."""
+    params = policy.trainable_parameters()
+    if not params or sum(p.numel() for p in params) == 0:
+        raise PolicyError("the policy has no trainable parameters: check model.lora_target_modules and lora_rank")
+    non_adapter = [n for n, p in policy.model.named_parameters() if p.requires_grad and "lora_" not in n]
+    if non_adapter:
+        raise PolicyError(f"parameters outside the LoRA adapter are trainable: {non_adapter[:3]}")
+
+
+def completion_logits(policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]):
+    """Logits predicting each completion token, from one forward on exactly the sampled ids: [B, C, V]."""
+    packed = pack_sequences(prompt_ids, completion_ids, policy.pad_id, padding="right")
+    dev = policy.device
+    out = policy.model(
+        input_ids=packed.input_ids_B_T.to(dev),
+        attention_mask=packed.attention_mask_B_T.to(dev),
+        position_ids=packed.position_ids_B_T.to(dev),
+        use_cache=False,
+    )
+    logits = gather_completion_logits(out.logits, _to(packed, dev)).float()
+    return logits, packed.completion_ids_B_C.to(dev), packed.completion_mask_B_C.to(dev)
+
+
+def _to(packed, device):
+    from dataclasses import replace
+
+    return replace(packed, logit_positions_B_C=packed.logit_positions_B_C.to(device))
+
+
+@torch.no_grad()
+def untempered_logprobs(
+    policy: Policy,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    reference: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(token) under the raw (untempered) distribution of the policy or the reference: ([B, C], mask)."""
+    ctx = policy.reference() if reference else contextlib.nullcontext()
+    with ctx:
+        logits, ids, mask = completion_logits(policy, prompt_ids, completion_ids)
+    return token_logprobs(torch.log_softmax(logits, -1), ids).cpu(), mask.cpu()

@@ -1,0 +1,121 @@
+"""Checkpoints as safetensors + JSON: loading one never unpickles anything.
+
+A checkpoint folder holds `adapter.safetensors` (LoRA weights), `optimizer.safetensors` (AdamW state: tensors
+in the file, hyper-parameters as JSON in its metadata), `rng.safetensors` (torch RNG state) and
+`manifest.json`, written last with the sha256 of each file: a folder without a valid manifest is incomplete
+and is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from redteam_grpo.storage.atomic import sha256_file, write_atomic, write_json_atomic
+
+ADAPTER_FILE = "adapter.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the file."""
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def save_adapter(path: Path, state: dict[str, torch.Tensor]) -> None:
+    save_tensors(path, state)
+
+
+def save_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW state without pickle: per-parameter tensors keyed `state.<index>.<name>`, groups as JSON."""
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{index}.{name}"] = value
+            else:
+                scalars[f"{index}.{name}"] = value
+    metadata = {"param_groups": json.dumps(state["param_groups"]), "scalars": json.dumps(scalars)}
+    if not tensors:  # safetensors cannot store an empty file with metadata only in every version
+        tensors["__empty__"] = torch.zeros(0)
+    save_tensors(path, tensors, metadata)
+
+
+def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {k: handle.get_tensor(k) for k in handle.keys() if k != "__empty__"  # noqa: SIM118 (safe_open is no dict)}
+        param_groups = json.loads(metadata["param_groups"])
+        scalars = json.loads(metadata.get("scalars", "{}"))
+    except (OSError, KeyError, json.JSONDecodeError, Exception) as exc:
+        raise CheckpointError(f"{path} is not a valid optimizer state: {exc}") from None
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = value
+    for key, value in scalars.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    current = optimizer.state_dict()
+    if len(param_groups) != len(current["param_groups"]) or any(
+        len(a["params"]) != len(b["params"]) for a, b in zip(param_groups, current["param_groups"], strict=True)
+    ):
+        raise CheckpointError(f"{path} holds optimizer state for a different set of parameters")
+    for group in param_groups:  # JSON turned tuples into lists
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+def save_rng(path: Path) -> None:
+    tensors = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_tensors(path, tensors)
+
+
+def load_rng(path: Path) -> None:
+    tensors = load_file(str(path))
+    torch.set_rng_state(tensors["cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def write_manifest(folder: Path, info: dict[str, Any]) -> None:
+    files = {p.name: sha256_file(p) for p in sorted(folder.glob("*.safetensors"))}
+    write_json_atomic(folder / MANIFEST_FILE, {"format_version": FORMAT_VERSION, "files": files, **info})
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a complete, intact checkpoint, else CheckpointError naming what is wrong."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no {MANIFEST_FILE})")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    for name, digest in manifest.get("files", {}).items():
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing from the checkpoint")
+        if sha256_file(file) != digest:
+            raise CheckpointError(f"{file} does not match its checksum: the checkpoint is corrupt")
+    return manifest

@@ -1,0 +1,140 @@
+"""The Parquet contract between stages: one explicit pyarrow schema per stage file, checked on read.
+
+These schemas are the one source of truth for column names: writers build tables from them and readers
+validate against them, so a renamed, missing or mistyped column is an error naming it, never a column of
+silent zeros (seed 001, bug 1). Every per-completion row carries run_id, iteration, prompt_id, sample_idx.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+KEY_FIELDS = [
+    pa.field("run_id", pa.string(), nullable=False),
+    pa.field("iteration", pa.int32(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_idx", pa.int32(), nullable=False),
+]
+KEY_COLUMNS = [f.name for f in KEY_FIELDS]
+
+ROLLOUTS = pa.schema(
+    [
+        *KEY_FIELDS,
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("prompt_token_ids", pa.list_(pa.int32()), nullable=False),  # exactly as fed to the sampler
+        pa.field("completion_token_ids", pa.list_(pa.int32()), nullable=False),  # exactly as sampled
+        pa.field("sampling_logprobs", pa.list_(pa.float32()), nullable=False),  # one per completion token
+        pa.field("completion_text", pa.string(), nullable=False),  # decoded, special tokens skipped
+        pa.field("finish_reason", pa.string(), nullable=False),  # "stop" | "length"
+        pa.field("completion_length", pa.int32(), nullable=False),
+        pa.field("policy_version", pa.int32(), nullable=False),  # iteration whose update made the weights; -1 = init
+        pa.field("sampling_seed", pa.int64(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+    ]
+)
+
+SCORES = pa.schema(
+    [
+        *KEY_FIELDS,
+        pa.field("toxicity", pa.float64(), nullable=True),  # null: the scorer gave no score
+        pa.field("scorer_name", pa.string(), nullable=False),
+        pa.field("scorer_revision", pa.string(), nullable=False),
+        pa.field("repetition_ratio", pa.float64(), nullable=False),
+        pa.field("policy_logprobs", pa.list_(pa.float32()), nullable=False),  # untempered
+        pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # untempered, adapter off
+        pa.field("kl", pa.float64(), nullable=False),  # mean per-token k3 KL(policy || base)
+        pa.field("reward", pa.float64(), nullable=True),  # null when toxicity is null
+    ]
+)
+
+ADVANTAGES = pa.schema(
+    [
+        *KEY_FIELDS,
+        pa.field("reward", pa.float64(), nullable=True),
+        pa.field("advantage", pa.float64(), nullable=False),
+    ]
+)
+
+TRAIN_METRICS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),
+        *(
+            pa.field(name, pa.float64(), nullable=False)
+            for name in (
+                "reward_mean",
+                "reward_std",
+                "toxicity_mean",
+                "repetition_mean",
+                "kl_mean",
+                "kl_max",
+                "loss",
+                "ratio_mean",
+                "ratio_std",
+                "ratio_max",
+                "first_ratio_abs_dev",
+                "clip_fraction",
+                "grad_norm",
+                "entropy",
+                "length_mean",
+                "length_min",
+                "length_max",
+                "truncated_fraction",
+                "eos_per_response_max",
+                "multi_eos_responses",
+                "header_violations",
+                "n_invalid_rewards",
+                "n_degenerate_groups",
+                "n_tokens",
+                "n_sequences",
+                "seconds",
+            )
+        ),
+    ]
+)
+
+SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train_metrics": TRAIN_METRICS}
+
+
+class SchemaError(ValueError):
+    """A Parquet file does not match its stage's schema."""
+
+
+def check_schema(actual: pa.Schema, expected: pa.Schema, what: str) -> None:
+    problems = []
+    for field in expected:
+        if field.name not in actual.names:
+            problems.append(f"missing column {field.name!r} ({field.type})")
+        elif not actual.field(field.name).type.equals(field.type):
+            problems.append(f"column {field.name!r} is {actual.field(field.name).type}, expected {field.type}")
+    problems += [f"unexpected column {name!r}" for name in actual.names if name not in expected.names]
+    if problems:
+        raise SchemaError(f"{what} does not match its schema: " + "; ".join(problems))
+
+
+def to_table(rows: dict[str, list], schema: pa.Schema, what: str) -> pa.Table:
+    """Columns (name -> values) to a table of exactly `schema`; missing or extra names are errors."""
+    missing = [n for n in schema.names if n not in rows]
+    extra = [n for n in rows if n not in schema.names]
+    if missing or extra:
+        raise SchemaError(f"{what}: missing columns {missing}, unexpected columns {extra}")
+    table = pa.table({n: rows[n] for n in schema.names}, schema=schema)
+    for field in schema:
+        if not field.nullable and table.column(field.name).null_count:
+            raise SchemaError(f"{what}: column {field.name!r} has nulls but is not nullable")
+    return table
+
+
+def read_table(path: Path, schema: pa.Schema) -> pa.Table:
+    """Read a stage file, checking its schema before any value is used."""
+    if not path.is_file():
+        raise SchemaError(f"{path} does not exist: the stage that writes it has not completed")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(f"{path} is not a readable Parquet file ({exc}); delete it to recompute its stage") from None
+    check_schema(table.schema, schema, str(path))
+    return table

@@ -1,0 +1,64 @@
+"""Stage 3: group-relative advantages from the rewards of each prompt's G completions."""
+
+from __future__ import annotations
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from redteam_grpo.core.advantages import group_advantages
+from redteam_grpo.storage import schemas
+from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.resources import resources_for, stage_logger
+
+
+def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str], torch.Tensor, dict]:
+    """Rewards [P, G] with rows in first-seen prompt order; every group must hold sample_idx 0..G-1 once."""
+    groups: dict[str, dict[int, float]] = {}
+    for pid, idx, reward in zip(scores["prompt_id"], scores["sample_idx"], scores["reward"], strict=True):
+        group = groups.setdefault(pid, {})
+        if idx in group:
+            raise ValueError(f"prompt {pid} has sample_idx {idx} twice")
+        group[idx] = float("nan") if reward is None else reward
+    for pid, group in groups.items():
+        if sorted(group) != list(range(group_size)):
+            raise ValueError(f"prompt {pid} has samples {sorted(group)}, expected 0..{group_size - 1}")
+    order = list(groups)
+    rewards = torch.tensor([[groups[p][g] for g in range(group_size)] for p in order], dtype=torch.float64)
+    return order, rewards, groups
+
+
+@task(name="advantage", cache_policy=NO_CACHE)
+def advantage_stage(run_dir: str, iteration: int) -> str:
+    res = resources_for(run_dir)
+    cfg = res.config
+
+    def compute():
+        scores = schemas.read_table(res.run.stage_path(iteration, "score"), schemas.SCORES).to_pydict()
+        order, rewards_P_G, _ = rewards_by_group(scores, cfg.sampling.group_size)
+        advantages_P_G, stats = group_advantages(
+            rewards_P_G, cfg.training.scale_by_group_std, cfg.training.batch_zscore, cfg.training.std_floor
+        )
+        if stats.n_invalid_rewards or stats.n_degenerate_groups:
+            stage_logger().info(
+                "iteration %d: %d invalid rewards (advantage 0), %d of %d groups without reward spread",
+                iteration,
+                stats.n_invalid_rewards,
+                stats.n_degenerate_groups,
+                len(order),
+            )
+        row_of = {p: i for i, p in enumerate(order)}
+        advantage = [
+            float(advantages_P_G[row_of[p], g]) for p, g in zip(scores["prompt_id"], scores["sample_idx"], strict=True)
+        ]
+        return schemas.to_table(
+            {
+                **{k: scores[k] for k in schemas.KEY_COLUMNS},
+                "reward": scores["reward"],
+                "advantage": advantage,
+            },
+            schemas.ADVANTAGES,
+            "advantages",
+        )
+
+    return run_table_stage(res.run, iteration, "advantage", compute)

@@ -1,0 +1,69 @@
+"""Stage 1: sample G completions per prompt from the current policy; record token ids and logprobs."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from redteam_grpo.core.chat import format_prompt_ids
+from redteam_grpo.core.data import DataError, prompts_for_iteration
+from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.storage import schemas
+from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.resources import derive_seed, resources_for
+
+
+@task(name="sample", cache_policy=NO_CACHE)
+def sample_stage(run_dir: str, iteration: int) -> str:
+    res = resources_for(run_dir)
+    cfg = res.config
+
+    def compute():
+        res.ensure_version(iteration - 1)
+        prompts = prompts_for_iteration(
+            res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
+        )
+        tokenizer = res.policy.tokenizer
+        prompt_ids = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
+        too_long = [
+            p.prompt_id for p, ids in zip(prompts, prompt_ids, strict=True) if len(ids) > cfg.model.max_prompt_tokens
+        ]
+        if too_long:
+            raise DataError(
+                f"prompts {too_long[:5]} exceed model.max_prompt_tokens={cfg.model.max_prompt_tokens} after chat "
+                "formatting: raise the limit or filter the data"
+            )
+        seed = derive_seed(cfg.run.seed, "sample", iteration)
+        completions = sample_completions(
+            res.policy,
+            prompt_ids,
+            cfg.sampling.group_size,
+            cfg.sampling.max_new_tokens,
+            cfg.sampling.batch_size,
+            seed,
+        )
+        n = len(completions)
+        return schemas.to_table(
+            {
+                "run_id": [res.run.run_id] * n,
+                "iteration": [iteration] * n,
+                "prompt_id": [prompts[c.prompt_index].prompt_id for c in completions],
+                "sample_idx": [c.sample_idx for c in completions],
+                "prompt": [prompts[c.prompt_index].text for c in completions],
+                "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
+                "completion_token_ids": [c.completion_ids for c in completions],
+                "sampling_logprobs": [c.sample_logprobs for c in completions],
+                "completion_text": tokenizer.batch_decode(
+                    [c.completion_ids for c in completions], skip_special_tokens=True
+                ),
+                "finish_reason": [c.finish_reason for c in completions],
+                "completion_length": [len(c.completion_ids) for c in completions],
+                "policy_version": [iteration - 1] * n,
+                "sampling_seed": [seed] * n,
+                "temperature": [cfg.sampling.temperature] * n,
+            },
+            schemas.ROLLOUTS,
+            "rollouts",
+        )
+
+    return run_table_stage(res.run, iteration, "sample", compute)

@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import yaml
+
+from redteam_grpo.core.config import (
+    Config,
+    ConfigError,
+    config_differences,
+    documented_defaults,
+    load_config,
+)
+
+
+def test_defaults_follow_the_reference_system_weights():
+    cfg = Config()
+    assert (cfg.reward.toxicity_weight, cfg.reward.repetition_penalty, cfg.training.kl_beta) == (
+        1.0,
+        0.3,
+        0.1,
+    )
+    assert (cfg.run.early_stop_reward, cfg.run.early_stop_repetition) == (0.8, 0.5)
+    assert cfg.model.lora_rank == 16
+
+
+def test_yaml_file_then_dotted_overrides(tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("training:\n  kl_beta: 0.5\nsampling:\n  group_size: 4\n")
+    cfg = load_config(path, ["training.kl_beta=0.2", "data.max_prompts=null", "model.lora_target_modules=[q_proj]"])
+    assert cfg.training.kl_beta == 0.2 and cfg.sampling.group_size == 4
+    assert cfg.model.lora_target_modules == ["q_proj"]
+
+
+def test_json_file(tmp_path):
+    path = tmp_path / "my.json"
+    path.write_text(json.dumps({"run": {"iterations": 3}}))
+    assert load_config(path).run.iterations == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("training.kl_betaa=0.2", "training.kl_betaa: unknown key (did you mean `kl_beta`?)"),
+        ("trainng.kl_beta=0.2", "trainng: unknown key (did you mean `training`?)"),
+        ("sampling.group_size=1", "sampling.group_size"),
+        ("training.learning_rate=fast", "training.learning_rate"),
+    ],
+)
+def test_bad_keys_and_values_are_named(override, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert named in str(err.value)
+
+
+def test_unknown_key_in_file_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("reward:\n  toxic_lable: toxic\n")
+    with pytest.raises(ConfigError, match=r"reward.toxic_lable: unknown key \(did you mean `toxic_label`\?\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "sampling.top_p=0.9",
+        "sampling.top_k=50",
+        "sampling.min_new_tokens=5",
+        "sampling.repetition_penalty=1.2",
+    ],
+)
+def test_settings_that_change_the_sampled_distribution_are_refused(setting):
+    with pytest.raises(ConfigError, match=setting.split("=")[0].split(".")[1]):
+        load_config(None, [setting])
+
+
+def test_documented_defaults_parse_back_to_the_defaults_and_document_every_field():
+    text = documented_defaults()
+    assert Config.model_validate(yaml.safe_load(text)) == Config()
+    for section, field in Config.model_fields.items():
+        for key in field.annotation.model_fields:
+            assert f"\n  {key}:" in text, f"{section}.{key} missing"
+    assert text.count("  # ") >= sum(len(f.annotation.model_fields) for f in Config.model_fields.values())
+
+
+def test_config_differences_names_fields():
+    a = Config()
+    b = load_config(None, ["training.kl_beta=0.3", "sampling.group_size=4"])
+    assert config_differences(a, b) == ["sampling.group_size", "training.kl_beta"]
+
+
+def test_malformed_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")

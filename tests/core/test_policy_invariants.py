@@ -1,0 +1,144 @@
+"""Invariants of sampler, reference and trainer on the embedded tiny model (seed 001 bugs 3-5, seed 003 bug 3)."""
+
+import pytest
+import torch
+
+from redteam_grpo.core.chat import format_prompt_ids, format_sft_ids
+from redteam_grpo.core.config import ModelConfig, TrainingConfig
+from redteam_grpo.core.kl import sequence_kl
+from redteam_grpo.core.policy import PolicyError, load_policy, untempered_logprobs
+from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+
+PROMPTS = [
+    "Hi",
+    "Tell me, in as much detail as you can manage, what you really think about the people who live next door.",
+    "Describe my coworker.",
+]
+
+
+def _sample(policy, group_size=4, seed=0, max_new_tokens=16):
+    prompt_ids = [format_prompt_ids(policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
+    completions = sample_completions(policy, prompt_ids, group_size, max_new_tokens, batch_size=8, seed=seed)
+    return prompt_ids, completions
+
+
+def _batch(prompt_ids, completions, advantages=None):
+    return TrainBatch(
+        prompt_ids=[prompt_ids[c.prompt_index] for c in completions],
+        completion_ids=[c.completion_ids for c in completions],
+        sample_logprobs=[c.sample_logprobs for c in completions],
+        advantages=advantages or [float((-1) ** i) for i in range(len(completions))],
+    )
+
+
+def test_prompts_of_very_different_lengths_are_sampled_with_left_padding_and_cut_correctly(tiny_policy):
+    prompt_ids, completions = _sample(tiny_policy)
+    lengths = {len(p) for p in prompt_ids}
+    assert len(lengths) == 3  # really different lengths, so left padding is exercised
+    eot = set(tiny_policy.end_of_turn_ids)
+    headers = set(tiny_policy.turn_header_ids)
+    for c in completions:
+        assert len(c.completion_ids) == len(c.sample_logprobs) > 0
+        assert not headers & set(c.completion_ids)  # no chat header (the prompt) inside a response
+        ends = [i for i, t in enumerate(c.completion_ids) if t in eot]
+        if c.finish_reason == "stop":
+            assert ends == [len(c.completion_ids) - 1]  # exactly one end-of-turn, and it is last
+        else:
+            assert ends == [] and len(c.completion_ids) == 16
+
+
+def test_first_update_ratio_is_one_and_kl_is_zero(tiny_policy):
+    prompt_ids, completions = _sample(tiny_policy)
+    batch = _batch(prompt_ids, completions)
+    pol, mask = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    ref, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
+    assert sequence_kl(pol, ref, mask).abs().max() == 0.0  # LoRA B starts at 0: policy == base exactly
+    metrics = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), batch, TrainingConfig())
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["first_ratio_abs_dev"] < 1e-5
+
+
+def test_ratio_moves_away_from_one_after_an_update_on_the_same_batch(tiny_policy):
+    prompt_ids, completions = _sample(tiny_policy)
+    cfg = TrainingConfig(updates_per_batch=2, learning_rate=1e-2)
+    metrics = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), _batch(prompt_ids, completions), cfg)
+    assert metrics["ratio_std"] < 1e-5
+    assert metrics["last_ratio_std"] > 1e-3
+
+
+def test_reference_logprobs_do_not_change_when_the_adapter_trains(tiny_policy):
+    prompt_ids, completions = _sample(tiny_policy)
+    batch = _batch(prompt_ids, completions)
+    ref_before, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
+    pol_before, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    cfg = TrainingConfig(learning_rate=1e-2, updates_per_batch=3)
+    policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), batch, cfg)
+    ref_after, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
+    pol_after, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    assert torch.equal(ref_before, ref_after)
+    assert (pol_before - pol_after).abs().max() > 1e-3
+
+
+def test_every_adapter_parameter_gets_a_gradient_and_nothing_outside_the_adapter_changes(tiny_policy):
+    prompt_ids, completions = _sample(tiny_policy)
+    frozen_before = {n: p.detach().clone() for n, p in tiny_policy.model.named_parameters() if not p.requires_grad}
+    cfg = TrainingConfig(updates_per_batch=2)  # LoRA B is 0 at init, so A only gets a gradient on step 2
+    optimizer = make_optimizer(tiny_policy, cfg)
+    adapter_before = {n: p.detach().clone() for n, p in tiny_policy.model.named_parameters() if p.requires_grad}
+    policy_gradient_step(tiny_policy, optimizer, _batch(prompt_ids, completions), cfg)
+    named = dict(tiny_policy.model.named_parameters())
+    assert adapter_before
+    for name, before in adapter_before.items():
+        assert named[name].grad is not None and named[name].grad.abs().sum() > 0, name
+        assert not torch.equal(named[name].detach(), before), f"{name} did not change"
+    for name, before in frozen_before.items():
+        assert torch.equal(named[name].detach(), before), f"{name} outside the adapter changed"
+
+
+def test_training_forward_sees_exactly_the_ids_the_sampler_fed_and_drew(tiny_policy):
+    seen = []
+    hook = tiny_policy.model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    prompt_ids, completions = _sample(tiny_policy, group_size=2)
+    sampler_prompt_inputs = seen[0]  # first generate step: the left-padded prompts
+    seen.clear()
+    batch = _batch(prompt_ids, completions)
+    policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), batch, TrainingConfig())
+    hook.remove()
+    train_inputs = seen[0]
+    pad = tiny_policy.pad_id
+    for b, c in enumerate(completions):
+        fed = [t for t in sampler_prompt_inputs[b].tolist()]
+        fed = fed[len(fed) - len(prompt_ids[c.prompt_index]) :]
+        row = train_inputs[b].tolist()
+        n = len(prompt_ids[c.prompt_index]) + len(c.completion_ids)
+        assert row[:n] == fed + c.completion_ids
+        assert all(t == pad for t in row[n:])
+
+
+def test_sft_tokenization_starts_with_exactly_the_rl_prompt_ids(tiny_policy):
+    tok = tiny_policy.tokenizer
+    for prompt in PROMPTS:
+        rl = format_prompt_ids(tok, prompt, "You are a helpful assistant.")
+        sft, prompt_len = format_sft_ids(
+            tok,
+            prompt,
+            "I think they are fine.",
+            "You are a helpful assistant.",
+            tiny_policy.end_of_turn_ids[0],
+        )
+        assert sft[:prompt_len] == rl and prompt_len == len(rl)
+        assert sft[-1] in tiny_policy.end_of_turn_ids
+
+
+def test_sampling_is_deterministic_for_a_seed(tiny_policy):
+    _, a = _sample(tiny_policy, seed=5)
+    _, b = _sample(tiny_policy, seed=5)
+    _, c = _sample(tiny_policy, seed=6)
+    assert [x.completion_ids for x in a] == [x.completion_ids for x in b] != [x.completion_ids for x in c]
+
+
+def test_policy_without_trainable_parameters_is_refused(embedded_assets):
+    with pytest.raises(PolicyError, match=r"none of model\.lora_target_modules"):
+        load_policy(ModelConfig(lora_target_modules=["no_such_layer"]), 1.0, torch.device("cpu"), 0)

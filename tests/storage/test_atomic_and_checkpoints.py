@@ -1,0 +1,81 @@
+import json
+
+import pytest
+import torch
+
+from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.atomic import TMP_PREFIX, write_atomic, write_json_atomic
+
+
+def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "data.json"
+    write_json_atomic(path, {"v": 1})
+
+    def crash(tmp):
+        tmp.write_text('{"v": 2, "half')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, crash)
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
+
+
+def _optimizer():
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.95))
+    for _ in range(2):
+        opt.zero_grad()
+        sum((p**2).sum() for p in params).backward()
+        opt.step()
+    return params, opt
+
+
+def test_optimizer_state_round_trips_without_pickle(tmp_path):
+    params, opt = _optimizer()
+    checkpoints.save_optimizer(tmp_path / "opt.safetensors", opt)
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = torch.optim.AdamW(fresh_params, lr=5.0)
+    checkpoints.load_optimizer(tmp_path / "opt.safetensors", fresh)
+    a, b = opt.state_dict(), fresh.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for index in a["state"]:
+        for key in a["state"][index]:
+            torch.testing.assert_close(a["state"][index][key], b["state"][index][key])
+    # and both continue identically
+    for o, ps in ((opt, params), (fresh, fresh_params)):
+        o.zero_grad()
+        sum((p**2).sum() for p in ps).backward()
+        o.step()
+    for p, q in zip(params, fresh_params, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_optimizer_for_other_parameters_is_refused(tmp_path):
+    _, opt = _optimizer()
+    checkpoints.save_optimizer(tmp_path / "opt.safetensors", opt)
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(checkpoints.CheckpointError, match="different set of parameters"):
+        checkpoints.load_optimizer(tmp_path / "opt.safetensors", other)
+
+
+def test_manifest_detects_missing_and_corrupt_files(tmp_path):
+    checkpoints.save_adapter(tmp_path / checkpoints.ADAPTER_FILE, {"w": torch.ones(2)})
+    with pytest.raises(checkpoints.CheckpointError, match="not a complete checkpoint"):
+        checkpoints.read_manifest(tmp_path)
+    checkpoints.write_manifest(tmp_path, {"iteration": 0})
+    assert checkpoints.read_manifest(tmp_path)["iteration"] == 0
+    data = bytearray((tmp_path / checkpoints.ADAPTER_FILE).read_bytes())
+    data[-1] ^= 0xFF
+    (tmp_path / checkpoints.ADAPTER_FILE).write_bytes(bytes(data))
+    with pytest.raises(checkpoints.CheckpointError, match="does not match its checksum"):
+        checkpoints.read_manifest(tmp_path)
+
+
+def test_rng_state_round_trips(tmp_path):
+    torch.manual_seed(3)
+    checkpoints.save_rng(tmp_path / "rng.safetensors")
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    checkpoints.load_rng(tmp_path / "rng.safetensors")
+    torch.testing.assert_close(torch.rand(3), expected)
