@@ -58,10 +58,11 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
-            tensors = {k: handle.get_tensor(k) for k in handle.keys() if k != "__empty__"  # noqa: SIM118 (safe_open is no dict)}
+            names = [k for k in handle.keys() if k != "__empty__"]  # noqa: SIM118 (safe_open is not a dict)
+            tensors = {k: handle.get_tensor(k) for k in names}
         param_groups = json.loads(metadata["param_groups"])
         scalars = json.loads(metadata.get("scalars", "{}"))
-    except (OSError, KeyError, json.JSONDecodeError, Exception) as exc:
+    except Exception as exc:  # safetensors raises its own error types for truncated files
         raise CheckpointError(f"{path} is not a valid optimizer state: {exc}") from None
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
