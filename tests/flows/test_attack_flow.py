@@ -1,0 +1,121 @@
+"""The red-team loop through Prefect: two iterations end to end, and a resume after an interruption."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from redteam_grpo.core.config import load_config
+from redteam_grpo.flows import attack
+from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.atomic import sha256_file
+from redteam_grpo.storage.rundir import STAGE_FILES, RunDir, RunDirError
+from redteam_grpo.tasks import advantage as advantage_module
+from redteam_grpo.tasks import sample as sample_module
+from tests import conftest
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
+
+SMALL = [
+    "run.iterations=2",
+    "data.prompts_per_iteration=3",
+    "sampling.group_size=4",
+    "sampling.max_new_tokens=12",
+    "run.early_stop_reward=null",
+]
+
+
+def _config(tmp_path, run_id, *extra):
+    return load_config(None, [*SMALL, f"run.runs_dir={tmp_path}", f"run.run_id={run_id}", *extra])
+
+
+def test_two_iterations_write_every_stage_and_the_first_update_is_on_policy(tmp_path):
+    cfg = _config(tmp_path, "e2e")
+    run_dir = attack.attack_run(config=cfg.model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "e2e")
+    assert str(run.root) == run_dir
+    assert run.manifest()["status"] == "completed"
+    for iteration in range(2):
+        for stage in STAGE_FILES:
+            assert run.stage_done(iteration, stage), (iteration, stage)
+        checkpoints.read_manifest(run.checkpoint_dir(iteration))
+
+    rollouts = pd.read_parquet(run.stage_path(0, "sample"))
+    assert len(rollouts) == 3 * 4
+    assert set(rollouts.columns) >= {"run_id", "iteration", "prompt_id", "sample_idx", "sampling_logprobs"}
+    assert (rollouts.completion_length == rollouts.completion_token_ids.map(len)).all()
+    assert (rollouts.sampling_logprobs.map(len) == rollouts.completion_length).all()
+
+    metrics = pd.concat(pd.read_parquet(run.stage_path(i, "train_step")) for i in range(2))
+    assert metrics.ratio_mean.sub(1).abs().max() < 1e-5  # every iteration's first update is on-policy
+    assert metrics.kl_mean.iloc[0] == 0.0  # iteration 0 samples from the base: KL exactly 0
+    assert metrics.kl_mean.iloc[1] > 0.0  # after an update the policy has moved away from the base
+    adapter_0 = load_file(str(run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE))
+    init = load_file(str(run.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE))
+    assert any(not torch.equal(adapter_0[k], init[k]) for k in init)
+
+    # DuckDB reads the stage files directly
+    import duckdb
+
+    mean_reward = duckdb.sql(f"select avg(reward) from read_parquet('{run.root}/iter_*/advantages.parquet')").fetchone()
+    assert mean_reward[0] is not None
+    assert not conftest.attempted_connections, conftest.attempted_connections
+
+
+def test_resume_after_an_interruption_recomputes_nothing_and_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    reference_dir = attack.attack_run(config=_config(tmp_path, "straight").model_dump(mode="json"))
+
+    cfg = _config(tmp_path, "interrupted")
+    real_advantages = advantage_module.group_advantages
+
+    def crash_on_iteration_1(rewards, *args, **kwargs):
+        if crash_on_iteration_1.armed and crash_on_iteration_1.calls == 1:
+            raise KeyboardInterrupt("simulated crash between score and advantage of iteration 1")
+        crash_on_iteration_1.calls += 1
+        return real_advantages(rewards, *args, **kwargs)
+
+    crash_on_iteration_1.armed, crash_on_iteration_1.calls = True, 0
+    monkeypatch.setattr(advantage_module, "group_advantages", crash_on_iteration_1)
+    with pytest.raises(BaseException, match="simulated crash"):
+        attack.attack_run(config=cfg.model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "interrupted")
+    assert run.manifest()["status"] == "failed"
+    assert run.stage_done(1, "score") and not run.stage_done(1, "advantage")
+    before = {p: sha256_file(p) for p in run.root.rglob("*.parquet")}
+
+    crash_on_iteration_1.armed = False
+    sampled = []
+    real_sample = sample_module.sample_completions
+    monkeypatch.setattr(
+        sample_module, "sample_completions", lambda *a, **k: sampled.append(1) or real_sample(*a, **k)
+    )
+    attack.attack_run(resume=str(run.root))
+    assert sampled == []  # iteration 1 had sampled already: not recomputed
+    assert run.manifest()["status"] == "completed"
+    for path, digest in before.items():
+        assert sha256_file(path) == digest, f"{path} was rewritten"
+
+    straight = RunDir.open(tmp_path / "straight")
+    assert str(straight.root) == reference_dir
+    for stage in ("sample", "score", "advantage"):
+        a = pd.read_parquet(straight.stage_path(1, stage)).drop(columns="run_id")
+        b = pd.read_parquet(run.stage_path(1, stage)).drop(columns="run_id")
+        pd.testing.assert_frame_equal(a, b)
+    a = load_file(str(straight.checkpoint_dir(1) / checkpoints.ADAPTER_FILE))
+    b = load_file(str(run.checkpoint_dir(1) / checkpoints.ADAPTER_FILE))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_resume_with_a_changed_config_is_refused_naming_the_fields(tmp_path):
+    cfg = _config(tmp_path, "changed", "run.iterations=1")
+    attack.attack_run(config=cfg.model_dump(mode="json"))
+    changed = _config(tmp_path, "changed", "run.iterations=1", "training.kl_beta=0.5", "sampling.group_size=3")
+    with pytest.raises(RunDirError, match=r"differs .* in: sampling\.group_size, training\.kl_beta"):
+        attack.attack_run(config=changed.model_dump(mode="json"), resume=str(tmp_path / "changed"))
+    # extending a run is allowed
+    longer = _config(tmp_path, "changed", "run.iterations=2")
+    attack.attack_run(config=longer.model_dump(mode="json"), resume=str(tmp_path / "changed"))
+    assert RunDir.open(tmp_path / "changed").completed_iterations() == [0, 1]
