@@ -14,7 +14,7 @@ from rich.table import Table
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # errors stay greppable: no hard wraps
 
 ConfigOption = Annotated[Path | None, typer.Option("--config", "-c", help="YAML or JSON config file.")]
 SetOption = Annotated[

@@ -59,7 +59,9 @@ def test_two_iterations_write_every_stage_and_the_first_update_is_on_policy(tmp_
     # DuckDB reads the stage files directly
     import duckdb
 
-    mean_reward = duckdb.sql(f"select avg(reward) from read_parquet('{run.root}/iter_*/advantages.parquet')").fetchone()
+    mean_reward = duckdb.sql(
+        f"select avg(reward) from read_parquet('{run.root}/iter_*/advantages.parquet')"
+    ).fetchall()[0]
     assert mean_reward[0] is not None
     assert not conftest.attempted_connections, conftest.attempted_connections
 
@@ -88,9 +90,7 @@ def test_resume_after_an_interruption_recomputes_nothing_and_matches_an_uninterr
     crash_on_iteration_1.armed = False
     sampled = []
     real_sample = sample_module.sample_completions
-    monkeypatch.setattr(
-        sample_module, "sample_completions", lambda *a, **k: sampled.append(1) or real_sample(*a, **k)
-    )
+    monkeypatch.setattr(sample_module, "sample_completions", lambda *a, **k: sampled.append(1) or real_sample(*a, **k))
     attack.attack_run(resume=str(run.root))
     assert sampled == []  # iteration 1 had sampled already: not recomputed
     assert run.manifest()["status"] == "completed"

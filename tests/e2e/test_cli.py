@@ -1,0 +1,98 @@
+"""The command line as a user runs it: config errors, kill -9 and resume, inference from a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from redteam_grpo.storage.atomic import sha256_file
+from redteam_grpo.storage.rundir import RunDir
+
+CLI = [sys.executable, "-m", "redteam_grpo.cli.main"]
+SMALL = [
+    "--set",
+    "data.prompts_per_iteration=3",
+    "--set",
+    "sampling.group_size=4",
+    "--set",
+    "sampling.max_new_tokens=12",
+    "--set",
+    "run.early_stop_reward=null",
+    "--set",
+    "logging.progress=false",
+]
+
+
+def _cli(*args, timeout=300, **kwargs):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def test_config_show_prints_every_default_documented():
+    out = _cli("config", "show")
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["training"]["kl_beta"] == 0.1
+    assert "# Weight of KL(policy || base) in the reward" in out.stdout
+
+
+def test_mistyped_key_fails_before_any_work(tmp_path):
+    out = _cli("run", "--set", "training.kl_betaa=0.2", "--set", f"run.runs_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "training.kl_betaa: unknown key (did you mean `kl_beta`?)" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.usefixtures("embedded_assets")
+def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anything(tmp_path):
+    args = ["run", *SMALL, "--set", "run.iterations=3", "--set", f"run.runs_dir={tmp_path}", "--set", "run.run_id=k9"]
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    manifest = tmp_path / "k9" / "manifest.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if manifest.is_file() and "1/sample" in json.loads(manifest.read_text())["stages"]:
+            break
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    else:
+        pytest.fail("iteration 1 never sampled")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    run = RunDir.open(tmp_path / "k9")
+    done_before = dict(run.manifest()["stages"])
+    digests = {rel: d for entry in done_before.values() for rel, d in entry["files"].items()}
+    out = _cli("run", "--resume", str(run.root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sample already completed, not recomputed" in out.stderr + out.stdout
+    after = run.manifest()
+    assert after["status"] == "completed"
+    for key, entry in done_before.items():
+        assert after["stages"][key]["completed_at"] == entry["completed_at"], f"{key} was recomputed"
+    for rel, digest in digests.items():
+        assert sha256_file(run.root / rel) == digest, f"{rel} changed"
+    assert run.completed_iterations() == [0, 1, 2]
+
+    out = _cli("infer", "--run", str(run.root), "--prompt", "Describe my neighbour.", "--max-new-tokens", "8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip()
+    out = _cli("infer", "--run", str(run.root), "--prompt", "hi", "--checkpoint", "7")
+    assert out.returncode == 2 and "completed checkpoints: [0, 1, 2]" in out.stderr
+
+
+def test_resume_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path):
+    out = _cli("run", "--resume", str(tmp_path))
+    assert out.returncode == 2 and "is not a run directory" in out.stderr
+
+
+def test_the_package_imports_without_prefect_for_core(tmp_path):
+    # core is plain Python + torch: importing it must not import prefect
+    code = "import sys, redteam_grpo.core.train, redteam_grpo.core.sampling; print('prefect' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(tmp_path))
+    assert out.stdout.strip() == "False", out.stderr
