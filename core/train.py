@@ -87,6 +87,9 @@ def policy_gradient_step(
         ratio = torch.cat(ratios) if ratios else torch.ones(1)
         step_metrics = {
             "loss": loss_total,
+            # KL(sampler || trainer) by the k3 estimator on the ratio (Schulman 2020; CleanRL's approx_kl):
+            # exactly what must be 0 on the first update after sampling.
+            "approx_kl": float((ratio - 1 - ratio.log()).mean()),
             "ratio_mean": float(ratio.mean()),
             "ratio_std": float(ratio.std(unbiased=False)),
             "ratio_max": float(ratio.max()),

@@ -34,7 +34,8 @@ from redteam_grpo.tasks.train_step import train_step_stage
 
 METRICS_LINE = (
     "iteration {iteration}: reward {reward_mean:.3f}  toxicity {toxicity_mean:.3f}  repetition {repetition_mean:.3f}"
-    "  KL {kl_mean:.4f}  ratio {ratio_mean:.4f}±{ratio_std:.4f}  entropy {entropy:.3f}  length {length_mean:.1f}"
+    "  KL {kl_mean:.4f}  ratio {ratio_mean:.4f}±{ratio_std:.4f}  sampler-KL {approx_kl:.1e}"
+    "  entropy {entropy:.3f}  length {length_mean:.1f}"
 )
 
 

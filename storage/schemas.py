@@ -72,6 +72,7 @@ TRAIN_METRICS = pa.schema(
                 "kl_mean",
                 "kl_max",
                 "loss",
+                "approx_kl",
                 "ratio_mean",
                 "ratio_std",
                 "ratio_max",

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -25,56 +23,10 @@ os.environ.pop("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)
 os.environ.setdefault("REDTEAM_GRPO_CACHE", str(Path.home() / ".cache" / "redteam-grpo"))
 
 
-class NetworkAccessError(RuntimeError):
-    pass
+from tests import netguard  # noqa: E402  (after the environment above is set)
 
-
-def _is_loopback(address) -> bool:
-    if not isinstance(address, tuple):
-        return isinstance(address, str | bytes)  # an AF_UNIX path is local
-    host = address[0]
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-_real_connect = socket.socket.connect
-_real_connect_ex = socket.socket.connect_ex
-_real_getaddrinfo = socket.getaddrinfo
-attempted_connections: list[object] = []
-
-
-def _guarded_connect(self, address):
-    if self.family in (socket.AF_INET, socket.AF_INET6) and not _is_loopback(address):
-        attempted_connections.append(address)
-        raise NetworkAccessError(f"test tried to connect to {address}: only loopback is allowed")
-    return _real_connect(self, address)
-
-
-def _guarded_connect_ex(self, address):
-    if self.family in (socket.AF_INET, socket.AF_INET6) and not _is_loopback(address):
-        attempted_connections.append(address)
-        raise NetworkAccessError(f"test tried to connect to {address}: only loopback is allowed")
-    return _real_connect_ex(self, address)
-
-
-def _guarded_getaddrinfo(host, *args, **kwargs):
-    name = host.decode() if isinstance(host, bytes) else host
-    if name is not None and not _is_loopback((name,)) and name not in ("127.0.0.1", "::1"):
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            attempted_connections.append(name)
-            raise NetworkAccessError(f"test tried to resolve {name}: only loopback is allowed") from None
-    return _real_getaddrinfo(host, *args, **kwargs)
-
-
-socket.socket.connect = _guarded_connect
-socket.socket.connect_ex = _guarded_connect_ex
-socket.getaddrinfo = _guarded_getaddrinfo
+netguard.install()
+attempted_connections = netguard.attempted_connections
 
 
 @pytest.fixture(scope="session")

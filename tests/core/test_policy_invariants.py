@@ -58,6 +58,7 @@ def test_first_update_ratio_is_one_and_kl_is_zero(tiny_policy):
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["first_ratio_abs_dev"] < 1e-5
+    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-8)
 
 
 def test_ratio_moves_away_from_one_after_an_update_on_the_same_batch(tiny_policy):

@@ -16,7 +16,9 @@ import yaml
 from redteam_grpo.storage.atomic import sha256_file
 from redteam_grpo.storage.rundir import RunDir
 
-CLI = [sys.executable, "-m", "redteam_grpo.cli.main"]
+ROOT = Path(__file__).resolve().parents[2]
+# The CLI, with every connection outside loopback refused and recorded in $NETGUARD_LOG.
+CLI = [sys.executable, "-c", "import tests.netguard as g; g.install(); from redteam_grpo.cli.main import app; app()"]
 SMALL = [
     "--set",
     "data.prompts_per_iteration=3",
@@ -31,8 +33,16 @@ SMALL = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def network_log(tmp_path, monkeypatch):
+    log = tmp_path / "network-attempts.log"
+    monkeypatch.setenv("NETGUARD_LOG", str(log))
+    yield log
+    assert not log.exists(), f"the CLI tried to reach the network: {log.read_text()}"
+
+
 def _cli(*args, timeout=300, **kwargs):
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
 
 
 def test_config_show_prints_every_default_documented():
@@ -52,7 +62,9 @@ def test_mistyped_key_fails_before_any_work(tmp_path):
 @pytest.mark.usefixtures("embedded_assets")
 def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anything(tmp_path):
     args = ["run", *SMALL, "--set", "run.iterations=3", "--set", f"run.runs_dir={tmp_path}", "--set", "run.run_id=k9"]
-    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT
+    )
     manifest = tmp_path / "k9" / "manifest.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
