@@ -70,3 +70,20 @@ def test_split_generated_keeps_pad_ids_that_were_sampled_inside_a_response():
 def test_empty_prompt_is_refused():
     with pytest.raises(ValueError, match="empty prompt"):
         pack_sequences([[]], [[1]], pad_id=PAD)
+
+
+def test_end_of_turn_ids_include_the_chat_end_token_when_eos_is_another():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from redteam_grpo.core.chat import end_of_turn_ids
+
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "a": 3}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+        eos_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    # Qwen3 base-style: eos is <|endoftext|> but a chat turn ends with <|im_end|>
+    assert end_of_turn_ids(tok) == [0, 2]
+    assert end_of_turn_ids(tok, generation_eos=[2, 0]) == [0, 2]

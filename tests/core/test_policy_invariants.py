@@ -143,3 +143,50 @@ def test_sampling_is_deterministic_for_a_seed(tiny_policy):
 def test_policy_without_trainable_parameters_is_refused(embedded_assets):
     with pytest.raises(PolicyError, match=r"none of model\.lora_target_modules"):
         load_policy(ModelConfig(lora_target_modules=["no_such_layer"]), 1.0, torch.device("cpu"), 0)
+
+
+def test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling(tiny_policy):
+    # transformers samples from the top 50 tokens when the generation config says so (its old default).
+    tiny_policy.model.generation_config.top_k = 50
+    tiny_policy.model.base_model.model.generation_config.top_k = 50
+    prompt_ids, completions = _sample(tiny_policy)
+    metrics = policy_gradient_step(
+        tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), _batch(prompt_ids, completions), TrainingConfig()
+    )
+    assert metrics["first_ratio_abs_dev"] < 1e-5
+
+
+def test_sampler_refuses_a_distribution_the_trainer_would_not_replay(tiny_policy, monkeypatch):
+    from redteam_grpo.core import sampling
+
+    def truncated_top_k(self, input_ids, scores):
+        processed = self.process(scores)
+        kth = processed.topk(5, dim=-1).values[:, -1:]
+        return processed.masked_fill(processed < kth, float("-inf"))
+
+    monkeypatch.setattr(sampling._DistributionProcessor, "__call__", truncated_top_k)
+    with pytest.raises(sampling.SamplingError, match="changed the sampling distribution"):
+        _sample(tiny_policy)
+
+
+def test_lora_dropout_does_not_make_the_first_ratio_noisy(embedded_assets):
+    policy = load_policy(ModelConfig(lora_dropout=0.3), 1.0, torch.device("cpu"), 0)
+    prompt_ids, completions = _sample(policy)
+    cfg = TrainingConfig(updates_per_batch=2)
+    metrics = policy_gradient_step(policy, make_optimizer(policy, cfg), _batch(prompt_ids, completions), cfg)
+    assert metrics["first_ratio_abs_dev"] < 1e-5
+
+
+def test_a_ratio_that_is_not_one_on_the_first_update_refuses_the_step(tiny_policy):
+    from redteam_grpo.core.train import RatioCheckError
+
+    prompt_ids, completions = _sample(tiny_policy)
+    batch = _batch(prompt_ids, completions)
+    stale = TrainBatch(  # logprobs that are not those of the sampled distribution (e.g. read from a wrong column)
+        batch.prompt_ids, batch.completion_ids, [[0.0] * len(x) for x in batch.sample_logprobs], batch.advantages
+    )
+    before = {k: v.clone() for k, v in tiny_policy.adapter_state().items()}
+    with pytest.raises(RatioCheckError, match="deviates from 1"):
+        policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), stale, TrainingConfig())
+    after = tiny_policy.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
