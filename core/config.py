@@ -36,8 +36,8 @@ class ModelConfig(_Section):
     """Prompts longer than this many tokens (after chat formatting) are refused at load time."""
     lora_rank: int = Field(16, gt=0)
     """LoRA rank r (reference system: 16)."""
-    lora_alpha: int = Field(32, gt=0)
-    """LoRA alpha; the adapter's scale is alpha / r."""
+    lora_alpha: int = Field(16, gt=0)
+    """LoRA alpha; the adapter's scale is alpha / r (1.0 by default)."""
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """LoRA dropout. Dropout makes the importance ratio noisy; it is switched off in every forward that
     compares logprobs (see core/policy.py)."""

@@ -1,0 +1,179 @@
+"""Each stage called directly (`task.fn()`) on temporary run directories: the output of every stage is read back
+by the next stage's reader, and the stage-level guarantees hold."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+import pytest
+
+from redteam_grpo.core.config import load_config
+from redteam_grpo.storage import schemas
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.tasks import resources
+from redteam_grpo.tasks.advantage import advantage_stage
+from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
+from redteam_grpo.tasks.sample import sample_stage
+from redteam_grpo.tasks.score import score_stage
+from redteam_grpo.tasks.train_step import JoinError, train_step_stage
+
+pytestmark = pytest.mark.usefixtures("embedded_assets")
+
+
+@pytest.fixture
+def run(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            f"run.runs_dir={tmp_path}",
+            "run.run_id=t",
+            "data.prompts_per_iteration=2",
+            "sampling.group_size=3",
+            "sampling.max_new_tokens=8",
+        ],
+    )
+    run = RunDir.create(cfg)
+    yield run
+    resources.forget(run.root)
+
+
+def _write(run, iteration, stage, table):
+    path = run.stage_path(iteration, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def test_every_stage_output_is_read_back_by_the_next_stage(run):
+    root = str(run.root)
+    initialize_stage.fn(root)
+    paths = {
+        "sample": sample_stage.fn(root, 0),
+        "score": score_stage.fn(root, 0),
+        "advantage": advantage_stage.fn(root, 0),
+        "train_step": train_step_stage.fn(root, 0),
+    }
+    result = checkpoint_stage.fn(root, 0)
+    tables = {
+        stage: schemas.read_table(run.stage_path(0, stage), schema).to_pydict()
+        for stage, schema in [
+            ("sample", schemas.ROLLOUTS),
+            ("score", schemas.SCORES),
+            ("advantage", schemas.ADVANTAGES),
+            ("train_step", schemas.TRAIN_METRICS),
+        ]
+    }
+    assert all(str(run.stage_path(0, s)) == p for s, p in paths.items())
+    keys = {
+        s: list(zip(tables[s]["prompt_id"], tables[s]["sample_idx"], strict=True))
+        for s in ("sample", "score", "advantage")
+    }
+    assert keys["sample"] == keys["score"] == keys["advantage"] and len(set(keys["sample"])) == 6
+    assert tables["score"]["reward"] == tables["advantage"]["reward"]
+    assert [len(x) for x in tables["score"]["reference_logprobs"]] == tables["sample"]["completion_length"]
+    assert result["metrics"]["iteration"] == 0 and result["stop_reason"] is None
+    assert run.stage_done(0, "checkpoint")
+
+
+def _rollouts(run, prompt_ids, completions, tokenizer):
+    n = len(completions)
+    return schemas.to_table(
+        {
+            "run_id": ["t"] * n,
+            "iteration": [0] * n,
+            "prompt_id": ["p0"] * n,
+            "sample_idx": list(range(n)),
+            "prompt": ["x"] * n,
+            "prompt_token_ids": [prompt_ids] * n,
+            "completion_token_ids": completions,
+            "sampling_logprobs": [[-1.0] * len(c) for c in completions],
+            "completion_text": tokenizer.batch_decode(completions, skip_special_tokens=True),
+            "finish_reason": ["length"] * n,
+            "completion_length": [len(c) for c in completions],
+            "policy_version": [-1] * n,
+            "sampling_seed": [0] * n,
+            "temperature": [1.0] * n,
+        },
+        schemas.ROLLOUTS,
+        "rollouts",
+    )
+
+
+def test_repetition_is_measured_on_completion_tokens_only(run):
+    # seed 003, bug 2: a penalty that counts prompt tokens. The prompt here is one token repeated 30 times.
+    initialize_stage.fn(str(run.root))
+    res = resources.resources_for(run.root)
+    tok = res.policy.tokenizer
+    word = tok("the", add_special_tokens=False)["input_ids"]
+    prompt_ids = word * 30
+    completions = [tok(t, add_special_tokens=False)["input_ids"] for t in ("a b c d", "one two three", "x y z w v")]
+    _write(run, 0, "sample", _rollouts(run, prompt_ids, completions, tok))
+    score_stage.fn(str(run.root), 0)
+    scores = schemas.read_table(run.stage_path(0, "score"), schemas.SCORES).to_pydict()
+    assert scores["repetition_ratio"] == [0.0, 0.0, 0.0]
+    assert scores["kl"] == [0.0, 0.0, 0.0]  # the initial adapter is the base
+
+
+def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
+    root = str(run.root)
+    initialize_stage.fn(root)
+    sample_stage.fn(root, 0)
+    res = resources.resources_for(run.root)
+    real = res.scorer
+
+    class OneMissing:
+        name, revision = real.name, real.revision
+
+        def __call__(self, completions, prompts):
+            scores = real(completions, prompts)
+            scores[1] = None
+            scores[4] = float("nan")
+            return scores
+
+    res._scorer = OneMissing()
+    score_stage.fn(root, 0)
+    advantage_stage.fn(root, 0)
+    adv = schemas.read_table(run.stage_path(0, "advantage"), schemas.ADVANTAGES).to_pydict()
+    assert adv["reward"][1] is None and adv["reward"][4] is None
+    assert adv["advantage"][1] == 0.0 and adv["advantage"][4] == 0.0
+    assert all(math.isfinite(a) for a in adv["advantage"])
+    train_step_stage.fn(root, 0)
+    metrics = schemas.read_table(run.stage_path(0, "train_step"), schemas.TRAIN_METRICS).to_pylist()[0]
+    assert metrics["n_invalid_rewards"] == 2
+
+
+def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
+    root = str(run.root)
+    initialize_stage.fn(root)
+    sample_stage.fn(root, 0)
+    score_stage.fn(root, 0)
+    advantage_stage.fn(root, 0)
+    table = pq.read_table(run.stage_path(0, "advantage"))
+    _write(run, 0, "advantage", table.slice(0, table.num_rows - 1))  # one advantage lost
+    with pytest.raises(JoinError, match="unmatched keys"):
+        train_step_stage.fn(root, 0)
+
+
+def test_a_renamed_column_between_stages_is_an_error_not_zeros(run):
+    # seed 001, bug 1: the trainer read old logprobs under another name and got zeros.
+    root = str(run.root)
+    initialize_stage.fn(root)
+    sample_stage.fn(root, 0)
+    table = pq.read_table(run.stage_path(0, "sample"))
+    renamed = ["old_log_probs" if n == "sampling_logprobs" else n for n in table.column_names]
+    _write(run, 0, "sample", table.rename_columns(renamed))
+    with pytest.raises(
+        schemas.SchemaError, match=r"missing column 'sampling_logprobs'.*unexpected column 'old_log_probs'"
+    ):
+        score_stage.fn(root, 0)
+
+
+def test_a_group_with_a_missing_sample_is_refused(run):
+    root = str(run.root)
+    initialize_stage.fn(root)
+    sample_stage.fn(root, 0)
+    score_stage.fn(root, 0)
+    table = pq.read_table(run.stage_path(0, "score"))
+    _write(run, 0, "score", table.slice(1))
+    with pytest.raises(ValueError, match=r"expected 0\.\.2"):
+        advantage_stage.fn(root, 0)
