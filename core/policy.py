@@ -75,6 +75,14 @@ class Policy:
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
 
+    def require_eval_mode(self) -> None:
+        """Every forward that produces compared logprobs runs without dropout."""
+        if self.model.training:
+            raise PolicyError(
+                "the policy is in training mode (dropout active): logprobs of the same tokens would differ "
+                "between sampling and training. Call policy.model.eval()."
+            )
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -162,6 +170,7 @@ def check_trainable(policy: Policy) -> None:
 
 def completion_logits(policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]):
     """Logits predicting each completion token, from one forward on exactly the sampled ids: [B, C, V]."""
+    policy.require_eval_mode()
     packed = pack_sequences(prompt_ids, completion_ids, policy.pad_id, padding="right")
     dev = policy.device
     out = policy.model(

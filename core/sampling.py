@@ -62,6 +62,7 @@ def sample_completions(
     seed: int,
 ) -> list[Completion]:
     """G completions for every prompt; deterministic for a given seed and weights."""
+    policy.require_eval_mode()
     jobs = [(p, g) for p in range(len(prompt_ids)) for g in range(group_size)]
     generation_config = GenerationConfig(
         do_sample=True,

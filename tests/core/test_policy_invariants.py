@@ -171,9 +171,33 @@ def test_sampler_refuses_a_distribution_the_trainer_would_not_replay(tiny_policy
 
 def test_lora_dropout_does_not_make_the_first_ratio_noisy(embedded_assets):
     policy = load_policy(ModelConfig(lora_dropout=0.3), 1.0, torch.device("cpu"), 0)
+    # LoRA B is 0 at init, where dropout cannot show: train once so the adapter path carries signal.
+    cfg = TrainingConfig(learning_rate=1e-2)
+    optimizer = make_optimizer(policy, cfg)
     prompt_ids, completions = _sample(policy)
-    cfg = TrainingConfig(updates_per_batch=2)
-    metrics = policy_gradient_step(policy, make_optimizer(policy, cfg), _batch(prompt_ids, completions), cfg)
+    policy_gradient_step(policy, optimizer, _batch(prompt_ids, completions), cfg)
+    prompt_ids, completions = _sample(policy, seed=1)
+    metrics = policy_gradient_step(policy, optimizer, _batch(prompt_ids, completions), cfg)
+    assert metrics["first_ratio_abs_dev"] < 1e-5
+
+
+def test_a_policy_left_in_training_mode_is_refused(tiny_policy):
+    tiny_policy.model.train()  # dropout on: logprobs of the same tokens would differ between forwards
+    with pytest.raises(PolicyError, match="training mode"):
+        _sample(tiny_policy)
+
+
+def test_trainer_replays_token_suppression_of_the_sampler(tiny_policy):
+    from redteam_grpo.core.logprobs import SamplingDistribution
+
+    # Suppress a large share of the vocabulary: a trainer that ignored suppression would be far from ratio 1.
+    vocab = len(tiny_policy.tokenizer)
+    tiny_policy.distribution = SamplingDistribution(0.7, tuple(range(vocab // 4, vocab // 2)))
+    prompt_ids, completions = _sample(tiny_policy)
+    assert not any(vocab // 4 <= t < vocab // 2 for c in completions for t in c.completion_ids)
+    metrics = policy_gradient_step(
+        tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), _batch(prompt_ids, completions), TrainingConfig()
+    )
     assert metrics["first_ratio_abs_dev"] < 1e-5
 
 
@@ -190,3 +214,20 @@ def test_a_ratio_that_is_not_one_on_the_first_update_refuses_the_step(tiny_polic
         policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), stale, TrainingConfig())
     after = tiny_policy.adapter_state()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_check_trainable_refuses_a_policy_whose_adapter_is_frozen(tiny_policy):
+    from redteam_grpo.core.policy import check_trainable
+
+    for parameter in tiny_policy.model.parameters():
+        parameter.requires_grad_(False)
+    with pytest.raises(PolicyError, match="no trainable parameters"):
+        check_trainable(tiny_policy)
+
+
+def test_check_trainable_refuses_trainable_weights_outside_the_adapter(tiny_policy):
+    from redteam_grpo.core.policy import check_trainable
+
+    tiny_policy.model.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(PolicyError, match="outside the LoRA adapter"):
+        check_trainable(tiny_policy)

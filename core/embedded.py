@@ -1,0 +1,663 @@
+"""Embedded, offline default models: a tiny chat policy and a tiny "toxicity" classifier, built on first use.
+
+`redteam-grpo run` with no arguments must run — and visibly learn — on a laptop CPU with no downloads
+(DESIGN §5). This module builds the two models it needs from the bundled toy corpus in `core/resources/`,
+deterministically (fixed seeds, a fixed number of optimiser steps rather than a wall-clock budget), into a
+cache folder, and hands their paths to the ordinary `from_pretrained` code paths:
+
+- ``embedded:tiny-qwen3`` — a byte-level BPE tokenizer (~840 tokens) trained on the toy corpus, with
+  Qwen3-Instruct's special tokens (``<|endoftext|>`` pad, ``<|im_start|>``, ``<|im_end|>`` eos = end of turn)
+  and a Qwen-style chat template, plus a ~0.4M-parameter `Qwen3ForCausalLM` (hidden 128, 2 layers). It is
+  pre-trained for 200 steps (~20 s) on chat-formatted conversations: a bundled user prompt, then an assistant
+  reply sampled from a small grammar, loss on the reply and its ``<|im_end|>`` only. A random-init policy
+  emits noise and does not learn under RL (DESIGN §7); this one writes fluent toy sentences, ends ~85 % of
+  its replies with ``<|im_end|>`` within 24 tokens at temperature 1, and uses a marker word in about one
+  reply in ten — a low but non-zero start that GRPO can amplify.
+- ``embedded:tiny-toxicity`` — a lowercase byte-level BPE tokenizer and a tiny `BertForSequenceClassification`
+  (hidden 64, 2 layers) trained for ~10 s on texts from the same grammar. Ground truth (`contains_marker`):
+  a text is toxic exactly when one of its words starts with a marker word ("stupid", "idiot", ...), so an
+  inflection ("idiots", "stupidly") is toxic and everything else is not.
+
+Two choices keep the reward honest, both learned the hard way (DESIGN §7):
+
+1. Every marker word is a single token in *both* tokenizers (checked at build time). If a marker were split
+   into pieces, the classifier would learn the first piece as the toxic feature and the policy would learn
+   to emit that piece alone. The classifier's tokenizer is trained on plain grammar text only, so an
+   inflected marker keeps the marker's token ("idiots" = "Ġidiot" + "s").
+2. The classifier is trained with hard negatives (`marker_decoy`): fragments ("stup", "idi", "upid"),
+   one-letter misspellings ("stupit", "sutpid"), prefixed forms ("xidiot") and split forms ("stu pid"), at
+   random positions in short, long, shouted and ungrammatical texts. Without them the policy finds a
+   fragment that scores P(toxic) ≈ 1 while writing no marker at all — reward hacking in miniature.
+
+The build writes into a temporary folder and renames it into place under a file lock, so concurrent first
+uses build once and a crash never leaves a half-built cache. Change `ASSETS_VERSION` whenever the recipe
+changes, so caches built by an older recipe are not reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import string
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from filelock import FileLock
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_POLICY = "embedded:tiny-qwen3"
+EMBEDDED_CLASSIFIER = "embedded:tiny-toxicity"
+TOXIC_LABEL = "toxic"
+ID2LABEL = {0: "non-toxic", 1: TOXIC_LABEL}
+ASSETS_VERSION = "v2"
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# Qwen's template without the tool and thinking branches: one header line per message, end of turn, newline.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+_RESOURCES = "redteam_grpo.core.resources"
+
+
+@dataclass(frozen=True)
+class EmbeddedAssets:
+    policy_dir: Path
+    classifier_dir: Path
+
+
+@dataclass(frozen=True)
+class BuildRecipe:
+    """Everything the build depends on besides the bundled resources; the default one is cached by version."""
+
+    seed: int = 1234
+    marker_prob: float = 0.04
+    """Probability that an adjective / noun / verb slot of a pre-training reply holds a marker word."""
+    policy_vocab_size: int = 1536
+    policy_steps: int = 200
+    policy_batch_size: int = 24
+    policy_lr: float = 6e-3
+    classifier_vocab_size: int = 1024
+    classifier_steps: int = 300
+    classifier_batch_size: int = 32
+    classifier_lr: float = 3e-3
+
+
+DEFAULT_RECIPE = BuildRecipe()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bundled data and the toy grammar
+# ----------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def load_corpus() -> dict[str, Any]:
+    """The word lists and sentence templates of `core/resources/corpus.json`."""
+    return json.loads(resources.files(_RESOURCES).joinpath("corpus.json").read_text(encoding="utf-8"))
+
+
+def load_prompts() -> list[dict[str, str]]:
+    """The bundled user prompts, ``[{"prompt_id": "p0000", "prompt": "..."}, ...]``."""
+    text = resources.files(_RESOURCES).joinpath("prompts.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def marker_words() -> tuple[str, ...]:
+    """The toy "toxic" words, in corpus order."""
+    return tuple(w for words in load_corpus()["markers"].values() for w in words)
+
+
+_WORD_RE = re.compile(r"[a-z]+")
+
+
+def contains_marker(text: str) -> bool:
+    """True when a word of `text` starts with a marker word (any case) — the classifier's ground truth.
+
+    Inflections count ("idiots", "stupidly": an insult with a suffix is still one); fragments, misspellings,
+    split or prefixed forms do not.
+
+    >>> [contains_marker(t) for t in ["Your boss is STUPID.", "so stupidly", "stup", "stu pid", "xstupid"]]
+    [True, True, False, False, False]
+    """
+    markers = marker_words()
+    return any(w.startswith(markers) for w in _WORD_RE.findall(text.lower()))
+
+
+_SLOT_RE = re.compile(r"\{(\w+)\}")
+_ARTICLE_RE = re.compile(r"\b([Aa]) (?=[aeio])")
+
+
+class ToyGrammar:
+    """Samples replies like "Your boss is kind. They are a quiet listener." from `corpus.json`."""
+
+    def __init__(self, corpus: dict[str, Any]) -> None:
+        self.words: dict[str, list[str]] = corpus["words"]
+        self.markers: dict[str, list[str]] = corpus["markers"]
+        self.first: list[str] = corpus["first_sentences"]
+        self.next: list[str] = corpus["next_sentences"]
+        self.n_sentences_p: list[float] = corpus["sentences_per_response"]
+
+    def fill(self, template: str, rng: random.Random, *, subj: str, marker_prob: float) -> str:
+        def slot(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name == "subj":
+                return subj
+            if name in self.markers and rng.random() < marker_prob:
+                return rng.choice(self.markers[name])
+            return rng.choice(self.words[name])
+
+        return _ARTICLE_RE.sub(r"\1n ", _SLOT_RE.sub(slot, template))
+
+    def response(self, rng: random.Random, *, marker_prob: float, subj: str | None = None) -> str:
+        n = rng.choices(range(1, len(self.n_sentences_p) + 1), weights=self.n_sentences_p)[0]
+        subj = subj or rng.choice(self.words["subj"])
+        templates = [rng.choice(self.first)] + [rng.choice(self.next) for _ in range(n - 1)]
+        return " ".join(self.fill(t, rng, subj=subj, marker_prob=marker_prob) for t in templates)
+
+    def subject_of(self, prompt: str) -> str | None:
+        """The person a prompt asks about ("... my coworker ..." -> "coworker"), if any."""
+        m = re.search(r"\b[Mm]y (\w+)", prompt)
+        return m.group(1) if m and m.group(1) in self.words["subj"] else None
+
+
+def generate_prompts(corpus: dict[str, Any] | None = None, seed: int = 0) -> list[dict[str, str]]:
+    """The bundled `prompts.jsonl`: every prompt template × every person, plus the fixed prompts, shuffled."""
+    corpus = corpus or load_corpus()
+    rng = random.Random(seed)
+    grammar = ToyGrammar(corpus)
+    texts = [
+        grammar.fill(t, rng, subj=s, marker_prob=0.0)
+        for t in corpus["prompt_templates"]
+        for s in corpus["words"]["subj"]
+    ]
+    texts = list(dict.fromkeys(texts + corpus["fixed_prompts"]))
+    rng.shuffle(texts)
+    return [{"prompt_id": f"p{i:04d}", "prompt": t} for i, t in enumerate(texts)]
+
+
+def write_prompts_file(path: Path | None = None) -> Path:
+    """Regenerate `core/resources/prompts.jsonl` (run `python -m redteam_grpo.core.embedded`)."""
+    path = path or Path(__file__).parent / "resources" / "prompts.jsonl"
+    lines = [json.dumps(p, ensure_ascii=False) for p in generate_prompts()]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def sample_conversation(
+    rng: random.Random, grammar: ToyGrammar, prompts: list[str], corpus: dict[str, Any], marker_prob: float
+) -> tuple[list[dict[str, str]], str]:
+    """One pre-training chat: optional system prompt, a user turn, and the assistant reply to learn."""
+    messages = []
+    if rng.random() < 0.25:
+        messages.append({"role": "system", "content": rng.choice(corpus["system_prompts"])})
+    # Mostly the bundled prompts; sometimes a grammar text, as the defender sees an attacker's output.
+    user = rng.choice(prompts) if rng.random() < 0.85 else grammar.response(rng, marker_prob=0.1)
+    messages.append({"role": "user", "content": user})
+    subj = grammar.subject_of(user) if rng.random() < 0.85 else None
+    return messages, grammar.response(rng, marker_prob=marker_prob, subj=subj)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Classifier data: grammar texts labelled by `contains_marker`, with hard negatives against reward hacking
+# ----------------------------------------------------------------------------------------------------------
+
+
+def marker_decoy(rng: random.Random, marker: str) -> str:
+    """A string that looks like `marker` but is not toxic: a fragment, a misspelling, a prefixed or split form."""
+    letters = string.ascii_lowercase
+    n = len(marker)
+    while True:
+        kind = rng.randrange(5)
+        if kind == 0:  # prefix fragment: "stup", "idi"
+            d = marker[: rng.randint(2, n - 1)]
+        elif kind == 1:  # suffix fragment: "upid"
+            d = marker[rng.randint(1, n - 2) :]
+        elif kind == 2:  # one-letter edit: "stupit", "stpid", "sutpid", "stuhpid"
+            i = rng.randrange(n)
+            op = rng.randrange(4)
+            if op == 0:
+                d = marker[:i] + marker[i + 1 :]
+            elif op == 1 and i < n - 1:
+                d = marker[:i] + marker[i + 1] + marker[i] + marker[i + 2 :]
+            elif op == 2:
+                d = marker[:i] + rng.choice(letters) + marker[i + 1 :]
+            else:
+                d = marker[:i] + rng.choice(letters) + marker[i:]
+        elif kind == 3:  # prefixed: "xidiot"
+            d = "".join(rng.choices(letters, k=rng.randint(1, 3))) + marker
+        else:  # split by a space: "stu pid"
+            i = rng.randint(1, n - 1)
+            d = marker[:i] + " " + marker[i:]
+        if not contains_marker(d):  # e.g. an edit at the very end ("stupidx") is an inflection, still toxic
+            return d
+
+
+def inflect(rng: random.Random, marker: str) -> str:
+    """The marker, sometimes with a suffix ("idiots", "stupidly", "hatex"): toxic either way."""
+    if rng.random() < 0.75:
+        return marker
+    suffix = rng.choice(["s", "ly", "ity", "ness", "".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 2)))])
+    return marker + suffix
+
+
+def insert_words(rng: random.Random, text: str, words: list[str]) -> str:
+    """`text` with each of `words` inserted at a random word position."""
+    tokens = text.split()
+    for w in words:
+        tokens.insert(rng.randint(0, len(tokens)), w)
+    return " ".join(tokens)
+
+
+def classifier_example(rng: random.Random, grammar: ToyGrammar, prompts: list[str]) -> tuple[str, int]:
+    """One labelled text. About half toxic; the label is always `contains_marker`, never the recipe."""
+    markers = marker_words()
+    vocab = [w for words in grammar.words.values() for w in words]
+
+    def base() -> str:  # a reply, or a few random words (short texts must be classified too)
+        if rng.random() < 0.6:
+            return grammar.response(rng, marker_prob=0.0)
+        return " ".join(rng.choices(vocab, k=rng.randint(0, 3)))
+
+    r = rng.random()
+    if r < 0.22:  # benign reply or prompt
+        text = grammar.response(rng, marker_prob=0.0) if rng.random() < 0.7 else rng.choice(prompts)
+    elif r < 0.44:  # grammatical toxic reply
+        text = grammar.response(rng, marker_prob=0.35)
+        if not contains_marker(text):
+            text = insert_words(rng, text, [inflect(rng, rng.choice(markers))])
+    elif r < 0.56:  # markers at random positions, sometimes repeated, sometimes inflected
+        text = insert_words(rng, base(), [inflect(rng, rng.choice(markers))] * rng.choice([1, 1, 1, 2, 3, 5]))
+    elif r < 0.76:  # hard negatives: decoys at random positions
+        k = rng.choice([1, 1, 2, 3])
+        text = insert_words(rng, base(), [marker_decoy(rng, rng.choice(markers)) for _ in range(k)])
+    elif r < 0.81:  # decoys next to a real marker are still toxic
+        decoys = [marker_decoy(rng, rng.choice(markers)) for _ in range(rng.randint(1, 2))]
+        text = insert_words(rng, base(), [*decoys, inflect(rng, rng.choice(markers))])
+    elif r < 0.88:  # a single word
+        u = rng.random()
+        m = rng.choice(markers)
+        text = inflect(rng, m) if u < 0.4 else marker_decoy(rng, m) if u < 0.8 else rng.choice(vocab)
+        text += rng.choice(["", "", ".", "!"])
+    else:  # degenerate, ungrammatical texts as a collapsing policy writes them
+        pool = vocab + list(markers) if rng.random() < 0.5 else vocab
+        if rng.random() < 0.5:
+            pool = pool + [marker_decoy(rng, rng.choice(markers)) for _ in range(3)]
+        words = rng.choices(pool, k=rng.randint(1, 24))
+        if rng.random() < 0.3:
+            words = [words[0]] * len(words)
+        text = " ".join(words) + rng.choice(["", ".", "!", "?"])
+    if rng.random() < 0.1:
+        text = text.upper() if rng.random() < 0.5 else text.capitalize()
+    return text, int(contains_marker(text))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_single_tokens(tok: Any) -> None:
+    """Each marker is one token at a word start ("Ġstupid") and glued to punctuation or a line start."""
+    for word in marker_words():
+        for piece in (word, "\u0120" + word):
+            tokens = [t.value for t in tok.model.tokenize(piece)]
+            if len(tokens) != 1:
+                raise RuntimeError(f"marker {word!r} is not a single token: {tokens}")
+
+
+def _word_list_texts() -> list[str]:
+    """Every corpus word, markers included, often enough to become a whole token with and without "Ġ"."""
+    corpus = load_corpus()
+    words = [w for ws in corpus["words"].values() for w in ws] + list(marker_words())
+    return [" ".join(words)] * 20 + ["\n".join(words)] * 20
+
+
+def build_policy_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Byte-level BPE with Qwen3-Instruct's special tokens and a Qwen-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    _check_single_tokens(tok)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        padding_side="left",
+        model_max_length=512,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_classifier_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Lowercase byte-level BPE with BERT's special tokens; every marker word is one token.
+
+    Not WordPiece: the `tokenizers` WordPiece trainer numbers its "##" pieces in hash order, so two processes
+    train different vocabularies from the same text (measured). Byte-level BPE over the full byte alphabet is
+    reproducible, and its "Ġ" word-start marker keeps "stupid d" (toxic) apart from "stupidd" (not).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    _check_single_tokens(tok)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        padding_side="right",
+        model_max_length=128,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to 10 % of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def pretrain_policy(tokenizer: Any, recipe: BuildRecipe, rng: random.Random) -> Any:
+    """A tiny Qwen3 pre-trained on chat-formatted toy conversations; loss on the assistant reply only."""
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    corpus = load_corpus()
+    grammar = ToyGrammar(corpus)
+    prompts = [p["prompt"] for p in load_prompts()]
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=pad_id,  # as in Qwen3: no BOS is prepended, <|endoftext|> doubles as bos/pad
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.policy_lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(recipe.policy_steps, warmup=30))
+    for _ in range(recipe.policy_steps):
+        convs = [
+            sample_conversation(rng, grammar, prompts, corpus, recipe.marker_prob)
+            for _ in range(recipe.policy_batch_size)
+        ]
+        prompt_texts = tokenizer.apply_chat_template([m for m, _ in convs], add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        reply_ids = tokenizer([r + IM_END for _, r in convs], add_special_tokens=False)["input_ids"]
+        length = max(len(p) + len(r) for p, r in zip(prompt_ids, reply_ids, strict=True))
+        input_ids = torch.full((len(convs), length), pad_id)  # [B, L], right-padded
+        labels = torch.full((len(convs), length), -100)  # [B, L], -100 outside the reply
+        mask = torch.zeros((len(convs), length), dtype=torch.long)
+        for i, (p, r) in enumerate(zip(prompt_ids, reply_ids, strict=True)):
+            input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
+            mask[i, : len(p) + len(r)] = 1
+        hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [B, L, H]
+        targets = labels[:, 1:]  # [B, L-1]: position t predicts token t+1
+        keep = targets != -100
+        logits = model.lm_head(hidden[:, :-1][keep])  # [N, V], the reply positions only
+        loss = F.cross_entropy(logits, targets[keep])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    # Sampling defaults for RL: plain temperature-1 sampling, no hidden top-k 50 (DESIGN §7).
+    model.generation_config = GenerationConfig(
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+    )
+    return model
+
+
+def train_classifier(tokenizer: Any, recipe: BuildRecipe, rng: random.Random) -> Any:
+    """A tiny BERT classifier on freshly generated labelled texts (a new batch every step)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    grammar = ToyGrammar(load_corpus())
+    prompts = [p["prompt"] for p in load_prompts()]
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,  # every batch is fresh data: nothing to over-fit, and dropout costs ~15 %
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        id2label=ID2LABEL,
+        label2id={v: k for k, v in ID2LABEL.items()},
+    )
+    model = BertForSequenceClassification(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.classifier_lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(recipe.classifier_steps, warmup=30))
+    for _ in range(recipe.classifier_steps):
+        batch = [classifier_example(rng, grammar, prompts) for _ in range(recipe.classifier_batch_size)]
+        enc = tokenizer([t for t, _ in batch], padding=True, truncation=True, max_length=64, return_tensors="pt")
+        logits = model(**enc).logits  # [B, 2]
+        loss = F.cross_entropy(logits, torch.tensor([y for _, y in batch]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def toxic_probability(model: Any, tokenizer: Any, texts: list[str]) -> list[float]:
+    """P(toxic) per text under the classifier."""
+    enc = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    probs = model(**enc).logits.softmax(-1)[:, model.config.label2id[TOXIC_LABEL]]
+    return probs.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Build and cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _tokenizer_training_texts(rng: random.Random, marker_prob: float) -> list[str]:
+    corpus = load_corpus()
+    grammar = ToyGrammar(corpus)
+    texts = [p["prompt"] for p in load_prompts()] + corpus["system_prompts"] + ["system user assistant"] * 10
+    texts += [grammar.response(rng, marker_prob=marker_prob) for _ in range(4000)]
+    return texts + _word_list_texts()
+
+
+def build_policy(out_dir: Path, recipe: BuildRecipe) -> dict[str, Any]:
+    """Tokenizer + pre-trained tiny Qwen3 into `out_dir`; returns build facts for the manifest."""
+    t0 = time.perf_counter()
+    torch.manual_seed(recipe.seed)
+    rng = random.Random(recipe.seed)
+    tokenizer = build_policy_tokenizer(_tokenizer_training_texts(rng, 0.2), recipe.policy_vocab_size)
+    model = pretrain_policy(tokenizer, recipe, rng)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return {"policy_seconds": round(time.perf_counter() - t0, 2), "policy_vocab_size": len(tokenizer)}
+
+
+def build_classifier(out_dir: Path, recipe: BuildRecipe) -> dict[str, Any]:
+    """Tokenizer + trained tiny BERT classifier into `out_dir`; returns build facts for the manifest."""
+    t0 = time.perf_counter()
+    torch.manual_seed(recipe.seed + 1)
+    rng = random.Random(recipe.seed + 1)
+    grammar = ToyGrammar(load_corpus())
+    prompts = [p["prompt"] for p in load_prompts()]
+    # The tokenizer sees plain grammar text only, so an inflected marker ("idiots") keeps the marker's token.
+    tokenizer = build_classifier_tokenizer(_tokenizer_training_texts(rng, 0.2), recipe.classifier_vocab_size)
+    model = train_classifier(tokenizer, recipe, rng)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    heldout_rng = random.Random(recipe.seed + 2)
+    heldout = [classifier_example(heldout_rng, grammar, prompts) for _ in range(1000)]
+    probs = toxic_probability(model, tokenizer, [t for t, _ in heldout])
+    accuracy = sum((p > 0.5) == bool(y) for p, (_, y) in zip(probs, heldout, strict=True)) / len(heldout)
+    return {"classifier_seconds": round(time.perf_counter() - t0, 2), "classifier_heldout_accuracy": accuracy}
+
+
+def build_embedded_assets(out_dir: Path, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
+    """Build both models into `out_dir` (no locking, no atomic rename: see `ensure_embedded_assets`)."""
+    from transformers.utils import logging as hf_logging
+
+    out_dir = Path(out_dir)
+    assets = EmbeddedAssets(policy_dir=out_dir / "policy", classifier_dir=out_dir / "classifier")
+    threads = torch.get_num_threads()
+    # One thread: the weights are bitwise the same with 1 or 2 (measured), one thread is only ~1.3x slower on
+    # an idle 2-core machine, and it stays fast while another process competes for the cores (2 threads were
+    # 5x slower then). The caller's thread count and global RNG state are restored afterwards.
+    torch.set_num_threads(1)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bars
+    try:
+        with torch.random.fork_rng(devices=[]):
+            facts = build_policy(assets.policy_dir, recipe)
+            facts |= build_classifier(assets.classifier_dir, recipe)
+    finally:
+        torch.set_num_threads(threads)
+        if bars:
+            hf_logging.enable_progress_bar()
+    manifest = {"assets_version": ASSETS_VERSION, "recipe": dataclasses.asdict(recipe), **facts}
+    # Written last: a folder with a manifest is a complete build.
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return assets
+
+
+def embedded_cache_dir() -> Path:
+    """`$REDTEAM_GRPO_CACHE` if set, else `~/.cache/redteam-grpo`."""
+    env = os.environ.get("REDTEAM_GRPO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "redteam-grpo"
+
+
+def _assets_dirname(recipe: BuildRecipe) -> str:
+    if recipe == DEFAULT_RECIPE:
+        return f"embedded-{ASSETS_VERSION}"
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()
+    return f"embedded-{ASSETS_VERSION}-{digest[:12]}"
+
+
+def ensure_embedded_assets(cache_dir: Path | None = None, *, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
+    """The embedded models, built into the cache on first use (~30 s on 2 CPU cores), at once afterwards."""
+    root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
+    final = root / _assets_dirname(recipe)
+    assets = EmbeddedAssets(policy_dir=final / "policy", classifier_dir=final / "classifier")
+    if (final / "manifest.json").is_file():
+        return assets
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{final.name}.lock")):
+        if (final / "manifest.json").is_file():  # another process built it while we waited
+            return assets
+        for stale in [*root.glob(f".{final.name}.tmp-*"), final]:  # left by a killed build
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        log.info("building embedded assets into %s (first use, about 30 s)", final)
+        try:
+            build_embedded_assets(tmp, recipe)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return assets
+
+
+_EMBEDDED_NAMES = (EMBEDDED_POLICY, EMBEDDED_CLASSIFIER)
+
+
+def is_embedded(name: str) -> bool:
+    return name.startswith("embedded:")
+
+
+def resolve_model_path(name: str, cache_dir: Path | None = None) -> str:
+    """An embedded name -> the folder of its built model (building it if needed); any other name unchanged."""
+    if not is_embedded(name):
+        return name
+    if name not in _EMBEDDED_NAMES:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(_EMBEDDED_NAMES)}")
+    assets = ensure_embedded_assets(cache_dir)
+    return str(assets.policy_dir if name == EMBEDDED_POLICY else assets.classifier_dir)
+
+
+if __name__ == "__main__":
+    print(f"wrote {write_prompts_file()}")

@@ -1,0 +1,316 @@
+"""The embedded offline assets: tokenizers, chat template, build determinism and atomicity, classifier quality.
+
+One full default build per session (~35 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
+a 2-step recipe (~1.5 s a build) so that building twice stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BatchEncoding,
+)
+
+from redteam_grpo.core import embedded
+from redteam_grpo.core.embedded import (
+    EMBEDDED_CLASSIFIER,
+    EMBEDDED_POLICY,
+    TOXIC_LABEL,
+    BuildRecipe,
+    EmbeddedAssets,
+    contains_marker,
+    ensure_embedded_assets,
+    is_embedded,
+    marker_words,
+    resolve_model_path,
+)
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+SHORT = BuildRecipe(policy_steps=2, classifier_steps=2)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("embedded-cache")
+
+
+@pytest.fixture(scope="session")
+def assets(cache_dir: Path) -> EmbeddedAssets:
+    return ensure_embedded_assets(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def policy_tok(assets: EmbeddedAssets):
+    return AutoTokenizer.from_pretrained(assets.policy_dir)
+
+
+@pytest.fixture(scope="session")
+def classifier(assets: EmbeddedAssets):
+    tok = AutoTokenizer.from_pretrained(assets.classifier_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(assets.classifier_dir).eval()
+    return tok, model
+
+
+def _p_toxic(classifier, texts: list[str]) -> torch.Tensor:
+    tok, model = classifier
+    with torch.no_grad():
+        logits = model(**tok(texts, padding=True, truncation=True, return_tensors="pt")).logits
+    return logits.softmax(-1)[:, model.config.label2id[TOXIC_LABEL]]  # [N]
+
+
+# ------------------------------------------------------------------------------------------ policy tokenizer
+
+
+def test_policy_special_tokens(policy_tok, assets: EmbeddedAssets) -> None:
+    assert policy_tok.eos_token == "<|im_end|>"
+    assert policy_tok.pad_token == "<|endoftext|>"
+    assert policy_tok.eos_token_id != policy_tok.pad_token_id
+    assert policy_tok.padding_side == "left"
+    assert policy_tok.convert_tokens_to_ids("<|im_start|>") not in (None, policy_tok.unk_token_id)
+    assert 500 <= len(policy_tok) <= 2048
+
+
+def test_markers_are_single_tokens_in_both_tokenizers(policy_tok, classifier) -> None:
+    clf_tok, _ = classifier
+    for m in marker_words():
+        assert len(policy_tok.encode(m, add_special_tokens=False)) == 1, m  # at a line start
+        assert len(policy_tok.encode(" " + m, add_special_tokens=False)) == 1, m  # mid-sentence
+        assert len(clf_tok.encode(m, add_special_tokens=False)) == 1, m
+        assert len(clf_tok.encode(m.upper(), add_special_tokens=False)) == 1, m  # lowercased first
+    # A fragment is not the marker's token: "stup" must not encode to what "stupid" does.
+    assert policy_tok.encode(" stup", add_special_tokens=False) != policy_tok.encode(
+        " stupid", add_special_tokens=False
+    )
+
+
+def test_chat_template_renders_qwen_format(policy_tok) -> None:
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Describe my boss."},
+    ]
+    text = policy_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nDescribe my boss.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    # transformers 5: tokenize=True returns a BatchEncoding by default; return_dict=False gives the ids.
+    enc = policy_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert isinstance(enc, BatchEncoding)
+    ids = policy_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == enc["input_ids"] == policy_tok(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == policy_tok.convert_tokens_to_ids("<|im_start|>")
+    assert policy_tok.decode(ids) == text
+    no_prompt = policy_tok.apply_chat_template(messages, tokenize=False)
+    assert not no_prompt.endswith("assistant\n")
+
+
+# ------------------------------------------------------------------------------------------ policy model
+
+
+def test_policy_config_and_generation_config(assets: EmbeddedAssets, policy_tok) -> None:
+    model = AutoModelForCausalLM.from_pretrained(assets.policy_dir)
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    cfg = model.config
+    assert cfg.vocab_size == len(policy_tok)
+    assert cfg.eos_token_id == policy_tok.eos_token_id and cfg.pad_token_id == policy_tok.pad_token_id
+    assert cfg.tie_word_embeddings and cfg.rope_parameters["rope_theta"] == 10000.0
+    gen = model.generation_config
+    assert gen.eos_token_id == policy_tok.eos_token_id and gen.pad_token_id == policy_tok.pad_token_id
+    assert gen.do_sample and gen.top_k == 0  # no hidden top-k 50 (DESIGN §7)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
+def test_policy_samples_fluent_replies_with_some_markers(assets: EmbeddedAssets, policy_tok) -> None:
+    """At T=1 (no top-k/top-p), 24 new tokens: mostly finished turns, some cut off, a low marker rate."""
+    model = AutoModelForCausalLM.from_pretrained(assets.policy_dir).eval()
+    prompts = [p["prompt"] for p in embedded.load_prompts()][:128]
+    enc = policy_tok.apply_chat_template(
+        [[{"role": "user", "content": p}] for p in prompts],
+        add_generation_prompt=True,
+        padding=True,
+        return_tensors="pt",
+    )
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and not 30x slower when the CPU is shared
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                **enc, max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0, top_p=1.0
+            )  # [N, P + ≤24]
+    finally:
+        torch.set_num_threads(threads)
+    completions = out[:, enc["input_ids"].shape[1] :]
+    eos = policy_tok.eos_token_id
+    ended = (completions == eos).any(dim=1)  # [N]
+    texts = policy_tok.batch_decode(completions, skip_special_tokens=True)
+    marker_rate = sum(contains_marker(t) for t in texts) / len(texts)
+    assert 0.6 <= ended.float().mean() < 1.0  # most end with <|im_end|>, a minority hits the limit
+    assert 0.03 <= marker_rate <= 0.25
+    words = {w for ws in embedded.load_corpus()["words"].values() for w in ws}
+    first_words = [t.split()[0].strip(",.").lower() for t in texts if t.split()]
+    assert sum(w in words | {"your", "i", "honestly"} for w in first_words) / len(texts) > 0.9
+
+
+# ------------------------------------------------------------------------------------------ classifier
+
+
+def test_classifier_labels(classifier) -> None:
+    _, model = classifier
+    assert model.config.id2label == {0: "non-toxic", 1: "toxic"}
+    assert model.config.label2id == {"non-toxic": 0, "toxic": 1}
+
+
+def test_classifier_scores_markers_high_and_fragments_low(classifier) -> None:
+    rng = random.Random(7)
+    grammar = embedded.ToyGrammar(embedded.load_corpus())
+    neutral = [grammar.response(rng, marker_prob=0.0) for _ in range(100)]
+    toxic = [t for t in (grammar.response(rng, marker_prob=0.3) for _ in range(200)) if contains_marker(t)][:100]
+    bare = list(marker_words()) + [f"{m.capitalize()}!" for m in marker_words()]
+    fragments = ["stup", "idi", "worthl", "pathet", "disgust", "useles", "los", "stu pid", "idoit", "xhate"]
+    decoys = fragments + [f"Your boss is {f}." for f in fragments]
+    decoys += [embedded.insert_words(rng, n, [embedded.marker_decoy(rng, rng.choice(marker_words()))]) for n in neutral]
+    assert not any(contains_marker(t) for t in neutral + decoys)
+    assert _p_toxic(classifier, toxic).mean() > 0.8
+    assert _p_toxic(classifier, bare).mean() > 0.8
+    assert _p_toxic(classifier, neutral).mean() < 0.2
+    assert _p_toxic(classifier, decoys).mean() < 0.3
+    assert (_p_toxic(classifier, fragments) < 0.5).all()
+
+
+def test_classifier_heldout_accuracy(classifier) -> None:
+    rng = random.Random(11)
+    grammar = embedded.ToyGrammar(embedded.load_corpus())
+    prompts = [p["prompt"] for p in embedded.load_prompts()]
+    examples = [embedded.classifier_example(rng, grammar, prompts) for _ in range(500)]
+    probs = _p_toxic(classifier, [t for t, _ in examples])
+    labels = torch.tensor([y for _, y in examples], dtype=torch.bool)
+    assert ((probs > 0.5) == labels).float().mean() > 0.95
+
+
+# ------------------------------------------------------------------------------------------ names and paths
+
+
+def test_is_embedded() -> None:
+    assert is_embedded(EMBEDDED_POLICY) and is_embedded(EMBEDDED_CLASSIFIER) and is_embedded("embedded:xyz")
+    assert not is_embedded("Qwen/Qwen3-4B-Instruct-2507")
+
+
+def test_resolve_model_path(cache_dir: Path, assets: EmbeddedAssets) -> None:
+    assert resolve_model_path(EMBEDDED_POLICY, cache_dir) == str(assets.policy_dir)
+    assert resolve_model_path(EMBEDDED_CLASSIFIER, cache_dir) == str(assets.classifier_dir)
+    assert resolve_model_path("Qwen/Qwen3-4B-Instruct-2507", cache_dir) == "Qwen/Qwen3-4B-Instruct-2507"
+    assert resolve_model_path("/some/local/dir") == "/some/local/dir"
+    with pytest.raises(ValueError, match="embedded:tiny-qwen3") as err:
+        resolve_model_path("embedded:xyz", cache_dir)
+    assert "embedded:xyz" in str(err.value) and EMBEDDED_CLASSIFIER in str(err.value)
+
+
+def test_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("REDTEAM_GRPO_CACHE", str(tmp_path / "c"))
+    assert embedded.embedded_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("REDTEAM_GRPO_CACHE")
+    assert embedded.embedded_cache_dir() == Path.home() / ".cache" / "redteam-grpo"
+
+
+def test_default_build_is_versioned_and_reused(cache_dir: Path, assets: EmbeddedAssets) -> None:
+    assert assets.policy_dir.parent.name == f"embedded-{embedded.ASSETS_VERSION}"
+    assert (assets.policy_dir.parent / "manifest.json").is_file()
+    assert ensure_embedded_assets(cache_dir) == assets  # no rebuild: returns at once
+    assert not list(cache_dir.glob(".*tmp-*"))
+
+
+# ------------------------------------------------------------------------------------------ build mechanics
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    return load_file(d / "model.safetensors")
+
+
+def test_build_is_deterministic_and_leaves_global_state(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
+    rng_state = torch.random.get_rng_state()
+    a = ensure_embedded_assets(tmp_path / "a", recipe=SHORT)
+    b = ensure_embedded_assets(tmp_path / "b", recipe=SHORT)
+    assert torch.get_num_threads() == threads
+    assert torch.equal(torch.random.get_rng_state(), rng_state)
+    for da, db in [(a.policy_dir, b.policy_dir), (a.classifier_dir, b.classifier_dir)]:
+        ta, tb = _tensors(da), _tensors(db)
+        assert ta.keys() == tb.keys()
+        assert all(torch.equal(ta[k], tb[k]) for k in ta)
+        assert (da / "tokenizer.json").read_bytes() == (db / "tokenizer.json").read_bytes()
+    assert a.policy_dir.parent.name != f"embedded-{embedded.ASSETS_VERSION}"  # a non-default recipe: own folder
+
+
+def test_failed_build_leaves_nothing_and_next_call_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(out_dir: Path, recipe: BuildRecipe) -> dict:
+        raise RuntimeError("simulated crash while training the classifier")
+
+    monkeypatch.setattr(embedded, "build_classifier", boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        ensure_embedded_assets(tmp_path, recipe=SHORT)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+    monkeypatch.undo()
+    assets = ensure_embedded_assets(tmp_path, recipe=SHORT)
+    assert (assets.policy_dir / "model.safetensors").is_file()
+    assert (assets.classifier_dir / "model.safetensors").is_file()
+    AutoTokenizer.from_pretrained(assets.classifier_dir)
+
+
+def test_stale_temporary_folder_is_cleaned_and_concurrent_callers_build_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def fake_build(out_dir: Path, recipe: BuildRecipe) -> EmbeddedAssets:
+        calls.append(out_dir)
+        threading.Event().wait(0.2)
+        (out_dir / "manifest.json").write_text("{}")
+        return EmbeddedAssets(out_dir / "policy", out_dir / "classifier")
+
+    monkeypatch.setattr(embedded, "build_embedded_assets", fake_build)
+    stale = tmp_path / f".embedded-{embedded.ASSETS_VERSION}.tmp-999-dead"  # left by a killed build
+    stale.mkdir()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_embedded_assets(tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert len(set(results)) == 1 and len(results) == 3
+    assert not stale.exists()
+    assert (tmp_path / f"embedded-{embedded.ASSETS_VERSION}" / "manifest.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------ bundled data
+
+
+def test_bundled_prompts_match_their_generator() -> None:
+    prompts = embedded.load_prompts()
+    assert prompts == embedded.generate_prompts()
+    assert 150 <= len(prompts) <= 300
+    assert len({p["prompt_id"] for p in prompts}) == len(prompts)
+    assert not any(contains_marker(p["prompt"]) for p in prompts)
+
+
+def test_contains_marker_and_decoys() -> None:
+    assert contains_marker("Your boss is STUPID.") and contains_marker("idiots") and contains_marker("x.hate")
+    assert not any(contains_marker(t) for t in ["stup", "stu pid", "xstupid", "Your boss is kind.", ""])
+    rng = random.Random(0)
+    for _ in range(2000):
+        assert not contains_marker(embedded.marker_decoy(rng, rng.choice(marker_words())))
+    assert 6 <= len(marker_words()) <= 12
