@@ -59,10 +59,17 @@ def run(
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
     cfg = _load(config, set_) if (config or set_ or not resume) else None
     offline_environment(cfg.run.offline if cfg else True)
+    from redteam_grpo.storage.rundir import RunDir, RunDirError
+
+    if resume is not None:
+        try:  # fail before a Prefect API is started for nothing
+            RunDir.open(resume)
+        except RunDirError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from redteam_grpo.flows.attack import attack_run
-    from redteam_grpo.storage.rundir import RunDirError
 
     total = cfg.run.iterations if cfg else None
     metrics_rows: list[dict] = []

@@ -1,8 +1,8 @@
 """Proof that the loop learns on the embedded default, and that it is the advantage that drives it.
 
-Margin: on the embedded default the mean reward of the first 5 iterations is ~0.08-0.11 (the tiny policy says a
-marker word in ~10% of responses) and the last 5 reach ~0.35-0.45 (measured on seeds 0-2 before this test was
-written). A rise of 0.15 is far outside the iteration-to-iteration noise of the first iterations (std ~0.03 over
+Margin: on the embedded default the mean reward of the first 5 iterations is ~0.08-0.13 (the tiny policy says a
+marker word in ~10% of responses) and the last 5 reach ~0.46-0.67 (seeds 0-2, measured before this test was
+written). A rise of 0.25 is far outside the iteration-to-iteration noise of the first iterations (std ~0.03 over
 64 samples) and well inside what every seed reached.
 """
 
@@ -18,7 +18,7 @@ from redteam_grpo.tasks import advantage as advantage_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness", "embedded_assets")]
 
-MARGIN = 0.15
+MARGIN = 0.25
 ITERATIONS = ["run.iterations=30", "run.early_stop_reward=null", "run.early_stop_repetition=null"]
 
 
