@@ -28,6 +28,8 @@ def offline_environment(offline: bool) -> None:
     Must run before prefect or transformers are imported (they read these at import time).
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # A first ephemeral API creates its database; on a busy 2-core machine that takes ~20 s, Prefect's default limit.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -11,6 +11,7 @@ import pytest
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="redteam-grpo-tests-"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"

@@ -62,15 +62,15 @@ def test_mistyped_key_fails_before_any_work(tmp_path):
 @pytest.mark.usefixtures("embedded_assets")
 def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anything(tmp_path):
     args = ["run", *SMALL, "--set", "run.iterations=3", "--set", f"run.runs_dir={tmp_path}", "--set", "run.run_id=k9"]
-    proc = subprocess.Popen(
-        [*CLI, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=ROOT
-    )
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([*CLI, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     manifest = tmp_path / "k9" / "manifest.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if manifest.is_file() and "1/sample" in json.loads(manifest.read_text())["stages"]:
             break
-        assert proc.poll() is None, "the run ended before it could be killed"
+        assert proc.poll() is None, "the run ended before it could be killed:\n" + log_path.read_text()[-3000:]
         time.sleep(0.05)
     else:
         pytest.fail("iteration 1 never sampled")
