@@ -108,22 +108,22 @@ def run(
 def _print_metrics(rows: list[dict]) -> None:
     if not rows:
         return
-    columns = [
-        ("iteration", "{:d}"),
-        ("reward_mean", "{:.3f}"),
-        ("toxicity_mean", "{:.3f}"),
-        ("repetition_mean", "{:.3f}"),
-        ("kl_mean", "{:.4f}"),
-        ("ratio_mean", "{:.4f}"),
-        ("ratio_std", "{:.4f}"),
-        ("entropy", "{:.3f}"),
-        ("length_mean", "{:.1f}"),
+    columns = [  # (metric, header, format): headers short enough for an 80-column terminal
+        ("iteration", "iter", "{:d}"),
+        ("reward_mean", "reward", "{:.3f}"),
+        ("toxicity_mean", "tox", "{:.3f}"),
+        ("repetition_mean", "rep", "{:.3f}"),
+        ("kl_mean", "KL", "{:.4f}"),
+        ("ratio_mean", "ratio", "{:.4f}"),
+        ("ratio_std", "ratio sd", "{:.4f}"),
+        ("entropy", "entropy", "{:.3f}"),
+        ("length_mean", "len", "{:.1f}"),
     ]
     table = Table(title="iterations")
-    for name, _ in columns:
-        table.add_column(name.removesuffix("_mean"), justify="right")
+    for _, header, _ in columns:
+        table.add_column(header, justify="right")
     for row in rows:
-        table.add_row(*(fmt.format(row[name]) for name, fmt in columns))
+        table.add_row(*(fmt.format(row[name]) for name, _, fmt in columns))
     Console().print(table)
 
 
