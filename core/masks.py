@@ -8,7 +8,7 @@ pad == eos (the bug TRL reverted) and counts prompt padding as response under le
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -24,6 +24,9 @@ class PackedBatch:
     logit_positions_B_C: torch.Tensor  # long, index t whose logits predict completion token c
     completion_ids_B_C: torch.Tensor  # long, 0 past each completion's end
     completion_mask_B_C: torch.Tensor  # bool, c < completion length
+
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def position_ids_from_mask(attention_mask_B_T: torch.Tensor) -> torch.Tensor:

@@ -171,22 +171,15 @@ def check_trainable(policy: Policy) -> None:
 def completion_logits(policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]):
     """Logits predicting each completion token, from one forward on exactly the sampled ids: [B, C, V]."""
     policy.require_eval_mode()
-    packed = pack_sequences(prompt_ids, completion_ids, policy.pad_id, padding="right")
-    dev = policy.device
+    packed = pack_sequences(prompt_ids, completion_ids, policy.pad_id, padding="right").to(policy.device)
     out = policy.model(
-        input_ids=packed.input_ids_B_T.to(dev),
-        attention_mask=packed.attention_mask_B_T.to(dev),
-        position_ids=packed.position_ids_B_T.to(dev),
+        input_ids=packed.input_ids_B_T,
+        attention_mask=packed.attention_mask_B_T,
+        position_ids=packed.position_ids_B_T,
         use_cache=False,
     )
-    logits = gather_completion_logits(out.logits, _to(packed, dev)).float()
-    return logits, packed.completion_ids_B_C.to(dev), packed.completion_mask_B_C.to(dev)
-
-
-def _to(packed, device):
-    from dataclasses import replace
-
-    return replace(packed, logit_positions_B_C=packed.logit_positions_B_C.to(device))
+    logits = gather_completion_logits(out.logits, packed).float()
+    return logits, packed.completion_ids_B_C, packed.completion_mask_B_C
 
 
 @torch.no_grad()
