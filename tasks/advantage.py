@@ -12,7 +12,7 @@ from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for, stage_logger
 
 
-def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str], torch.Tensor, dict]:
+def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str], torch.Tensor]:
     """Rewards [P, G] with rows in first-seen prompt order; every group must hold sample_idx 0..G-1 once."""
     groups: dict[str, dict[int, float]] = {}
     for pid, idx, reward in zip(scores["prompt_id"], scores["sample_idx"], scores["reward"], strict=True):
@@ -25,7 +25,7 @@ def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str
             raise ValueError(f"prompt {pid} has samples {sorted(group)}, expected 0..{group_size - 1}")
     order = list(groups)
     rewards = torch.tensor([[groups[p][g] for g in range(group_size)] for p in order], dtype=torch.float64)
-    return order, rewards, groups
+    return order, rewards
 
 
 @task(name="advantage", cache_policy=NO_CACHE)
@@ -35,7 +35,7 @@ def advantage_stage(run_dir: str, iteration: int) -> str:
 
     def compute():
         scores = schemas.read_table(res.run.stage_path(iteration, "score"), schemas.SCORES).to_pydict()
-        order, rewards_P_G, _ = rewards_by_group(scores, cfg.sampling.group_size)
+        order, rewards_P_G = rewards_by_group(scores, cfg.sampling.group_size)
         advantages_P_G, stats = group_advantages(
             rewards_P_G, cfg.training.scale_by_group_std, cfg.training.batch_zscore, cfg.training.std_floor
         )

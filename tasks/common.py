@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,13 +17,18 @@ def write_parquet(path: Path, table: pa.Table) -> None:
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def run_table_stage(run: RunDir, iteration: int, stage: str, compute: Callable[[], pa.Table]) -> str:
-    """Compute the stage's table unless a completed, intact copy is recorded; return the file's path."""
+def run_table_stage(
+    run: RunDir, iteration: int, stage: str, compute: Callable[[], pa.Table], also_written: Sequence[Path] = ()
+) -> str:
+    """Compute the stage's table unless a completed, intact copy is recorded; return the file's path.
+
+    `also_written`: other files `compute` writes (atomically); their checksums are recorded with the table's.
+    """
     path = run.stage_path(iteration, stage)
     if run.stage_done(iteration, stage):
         stage_logger().info("iteration %d: %s already completed, not recomputed", iteration, stage)
         return str(path)
     table = compute()
     write_parquet(path, table)
-    run.mark_stage_done(iteration, stage, [path], rows=table.num_rows)
+    run.mark_stage_done(iteration, stage, [path, *also_written], rows=table.num_rows)
     return str(path)
