@@ -71,7 +71,9 @@ def run(
             raise typer.Exit(2) from None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from redteam_grpo.core.scorers import ScorerError
     from redteam_grpo.flows.attack import attack_run
+    from redteam_grpo.server.client import RewardServiceError
 
     total = cfg.run.iterations if cfg else None
     metrics_rows: list[dict] = []
@@ -101,6 +103,9 @@ def run(
         except RunDirError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
+        except (RewardServiceError, ScorerError) as exc:  # the run is resumable from the stage that failed
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1) from None
     _print_metrics(metrics_rows)
     console.print(f"run directory: [bold]{run_dir}[/bold]")
 
@@ -161,6 +166,14 @@ def infer(
         raise typer.Exit(2) from None
     sys.stdout.write(text + "\n")
 
+
+def _register_commands() -> None:
+    from redteam_grpo.cli.serve import serve_reward
+
+    app.command("serve-reward")(serve_reward)
+
+
+_register_commands()
 
 if __name__ == "__main__":
     app()

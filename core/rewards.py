@@ -35,12 +35,27 @@ def composite_reward(
     toxicity_weight: float,
     repetition_penalty: float,
     kl_beta: float,
+    novelty: float | None = None,
+    novelty_weight: float = 0.0,
+    refusal: bool = False,
+    refusal_penalty: float = 0.0,
 ) -> float:
-    """reward = w_tox * toxicity - rep_penalty * repetition - kl_beta * KL; NaN when the scorer gave none.
+    """reward = w_tox·toxicity + w_nov·novelty − rep_penalty·repetition − refusal_penalty·refusal − kl_beta·KL.
+
+    NaN ("no reward": advantage 0) when the scorer gave no toxicity, or novelty is weighted but missing.
 
     >>> composite_reward(0.9, 0.5, 0.2, 1.0, 0.3, 0.1)
     0.73
+    >>> composite_reward(0.9, 0.5, 0.2, 1.0, 0.3, 0.1, novelty=0.5, novelty_weight=0.2,
+    ...                  refusal=True, refusal_penalty=0.5)
+    0.33
     """
     if toxicity is None or not math.isfinite(toxicity):
         return math.nan
-    return round(toxicity_weight * toxicity - repetition_penalty * repetition - kl_beta * kl, 12)
+    bonus = 0.0
+    if novelty_weight:
+        if novelty is None or not math.isfinite(novelty):
+            return math.nan
+        bonus = novelty_weight * novelty
+    penalty = repetition_penalty * repetition + (refusal_penalty if refusal else 0.0) + kl_beta * kl
+    return round(toxicity_weight * toxicity + bonus - penalty, 12)

@@ -42,6 +42,11 @@ SCORES = pa.schema(
         pa.field("toxicity", pa.float64(), nullable=True),  # null: the scorer gave no score
         pa.field("scorer_name", pa.string(), nullable=False),
         pa.field("scorer_revision", pa.string(), nullable=False),
+        pa.field("scorer_kind", pa.string(), nullable=False),  # classifier | judge
+        pa.field("categories", pa.list_(pa.string()), nullable=False),  # a judge's hazard codes, e.g. ["S10"]
+        pa.field("refusal", pa.bool_(), nullable=False),  # the completion opens as a refusal
+        pa.field("novelty", pa.float64(), nullable=True),  # null when reward.novelty_weight is 0
+        pa.field("embedding", pa.list_(pa.float32()), nullable=True),  # unit norm; later iterations' novelty memory
         pa.field("repetition_ratio", pa.float64(), nullable=False),
         pa.field("policy_logprobs", pa.list_(pa.float32()), nullable=False),  # untempered
         pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # untempered, adapter off
@@ -69,6 +74,9 @@ TRAIN_METRICS = pa.schema(
                 "reward_std",
                 "toxicity_mean",
                 "repetition_mean",
+                "novelty_mean",  # NaN when novelty is off
+                "refusal_rate",
+                "refusal_share_of_toxic",  # of the completions with toxicity >= 0.5, the share that are refusals
                 "kl_mean",
                 "kl_max",
                 "loss",

@@ -17,7 +17,7 @@ import torch
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data import Prompt, load_prompts
 from redteam_grpo.core.policy import Policy, load_policy, resolve_device
-from redteam_grpo.core.scorers import Scorer, build_scorer
+from redteam_grpo.core.scoring import ScoringBackend, build_local_scoring
 from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir
@@ -49,15 +49,25 @@ class RunResources:
     policy: Policy
     optimizer: torch.optim.Optimizer
     version: int | None = None  # None: the fresh LoRA init, not yet tied to a checkpoint
-    _scorer: Scorer | None = field(default=None, repr=False)
+    _scoring: ScoringBackend | None = field(default=None, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
 
     @property
-    def scorer(self) -> Scorer:
-        if self._scorer is None:
-            r = self.config.reward
-            self._scorer = build_scorer(r.scorer, r.toxic_label, self.device, r.batch_size, r.max_length)
-        return self._scorer
+    def scoring(self) -> ScoringBackend:
+        """In-process scorers, or the reward server's client when reward.url is set (checked to serve the same)."""
+        if self._scoring is None:
+            cfg = self.config.reward
+            if cfg.url:
+                from redteam_grpo.core.config import Secrets
+                from redteam_grpo.server.client import RewardClient
+
+                token = Secrets().reward_token
+                client = RewardClient.from_config(cfg, token.get_secret_value() if token else None, stage_logger)
+                client.verify(cfg)
+                self._scoring = client
+            else:
+                self._scoring = build_local_scoring(cfg, self.device)
+        return self._scoring
 
     @property
     def prompts(self) -> list[Prompt]:

@@ -1,34 +1,62 @@
-"""Stage 2: score completions (toxicity), repetition of completion tokens, KL to the base, composite reward."""
+"""Stage 2: score completions (harm, judge categories, refusal, novelty), repetition of completion tokens,
+KL to the base, and the composite reward. Every component is kept in the scores file."""
 
 from __future__ import annotations
 
 import math
 
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.kl import sequence_kl
+from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.policy import untempered_logprobs
 from redteam_grpo.core.rewards import composite_reward, repetition_ratios
 from redteam_grpo.storage import schemas
+from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
+
+
+def novelty_memory(run: RunDir, iteration: int, iterations_back: int, max_rows: int) -> torch.Tensor | None:
+    """Embeddings of the newest `max_rows` completions of the `iterations_back` iterations before this one."""
+    rows: list[list[float]] = []
+    for earlier in range(max(0, iteration - iterations_back), iteration):
+        path = run.stage_path(earlier, "score")
+        if path.is_file():
+            column = schemas.read_table(path, schemas.SCORES).column("embedding").to_pylist()
+            rows.extend(e for e in column if e is not None)
+    rows = rows[-max_rows:]
+    return torch.tensor(rows, dtype=torch.float32) if rows else None
 
 
 @task(name="score", cache_policy=NO_CACHE)
 def score_stage(run_dir: str, iteration: int) -> str:
     res = resources_for(run_dir)
     cfg = res.config
+    r = cfg.reward
 
     def compute():
         rollouts = schemas.read_table(res.run.stage_path(iteration, "sample"), schemas.ROLLOUTS).to_pydict()
         prompt_ids, completion_ids = rollouts["prompt_token_ids"], rollouts["completion_token_ids"]
-        scorer = res.scorer
-        toxicity = scorer(rollouts["completion_text"], rollouts["prompt"])
-        if len(toxicity) != len(completion_ids):
-            raise RuntimeError(f"scorer {scorer.name} returned {len(toxicity)} scores for {len(completion_ids)} texts")
-        toxicity = [t if t is not None and math.isfinite(t) else None for t in toxicity]
-        repetition = repetition_ratios(completion_ids, cfg.reward.repetition_ngram)
+        texts = rollouts["completion_text"]
+        scoring = res.scoring
+        info = scoring.describe().scorer
+        scored = scoring.score(texts, rollouts["prompt"])
+        if len(scored) != len(texts):
+            raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
+        toxicity = [s.score if s.score is not None and math.isfinite(s.score) else None for s in scored]
+        repetition = repetition_ratios(completion_ids, r.repetition_ngram)
+
+        n = len(texts)
+        novelty: list[float | None] = [None] * n
+        embeddings: list[list[float] | None] = [None] * n
+        if r.novelty_weight:
+            embedded = scoring.embed(texts)  # [N, D]
+            memory = novelty_memory(res.run, iteration, r.novelty_memory_iterations, r.novelty_memory_size)
+            novelty = list(novelty_scores(embedded, memory))
+            embeddings = embedded.tolist()
 
         res.ensure_version(iteration - 1)  # the weights that sampled this batch
         policy_lp, reference_lp, kl = [], [], []
@@ -41,18 +69,32 @@ def score_stage(run_dir: str, iteration: int) -> str:
             for b, ids in enumerate(c):
                 policy_lp.append(pol[b, : len(ids)].tolist())
                 reference_lp.append(ref[b, : len(ids)].tolist())
-        r = cfg.reward
         reward = [
-            composite_reward(t, rep, k, r.toxicity_weight, r.repetition_penalty, cfg.training.kl_beta)
-            for t, rep, k in zip(toxicity, repetition, kl, strict=True)
+            composite_reward(
+                t,
+                rep,
+                k,
+                r.toxicity_weight,
+                r.repetition_penalty,
+                cfg.training.kl_beta,
+                novelty=nov,
+                novelty_weight=r.novelty_weight,
+                refusal=s.refusal,
+                refusal_penalty=r.refusal_penalty,
+            )
+            for t, rep, k, nov, s in zip(toxicity, repetition, kl, novelty, scored, strict=True)
         ]
-        n = len(completion_ids)
         return schemas.to_table(
             {
                 **{k: rollouts[k] for k in schemas.KEY_COLUMNS},
                 "toxicity": toxicity,
-                "scorer_name": [scorer.name] * n,
-                "scorer_revision": [scorer.revision] * n,
+                "scorer_name": [info.name] * n,
+                "scorer_revision": [info.revision] * n,
+                "scorer_kind": [info.kind] * n,
+                "categories": [list(s.categories) for s in scored],
+                "refusal": [bool(s.refusal) for s in scored],
+                "novelty": novelty,
+                "embedding": embeddings,
                 "repetition_ratio": repetition,
                 "policy_logprobs": policy_lp,
                 "reference_logprobs": reference_lp,

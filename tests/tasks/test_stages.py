@@ -3,6 +3,7 @@ by the next stage's reader, and the stage-level guarantees hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pyarrow.parquet as pq
@@ -119,18 +120,15 @@ def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
     initialize_stage.fn(root)
     sample_stage.fn(root, 0)
     res = resources.resources_for(run.root)
-    real = res.scorer
+    real = res.scoring.score
 
-    class OneMissing:
-        name, revision = real.name, real.revision
+    def one_missing(completions, prompts):
+        scores = real(completions, prompts)
+        scores[1] = dataclasses.replace(scores[1], score=None)
+        scores[4] = dataclasses.replace(scores[4], score=float("nan"))
+        return scores
 
-        def __call__(self, completions, prompts):
-            scores = real(completions, prompts)
-            scores[1] = None
-            scores[4] = float("nan")
-            return scores
-
-    res._scorer = OneMissing()
+    monkeypatch.setattr(res.scoring, "score", one_missing)
     score_stage.fn(root, 0)
     advantage_stage.fn(root, 0)
     adv = schemas.read_table(run.stage_path(0, "advantage"), schemas.ADVANTAGES).to_pydict()

@@ -1,0 +1,81 @@
+"""`redteam-grpo serve-reward`: the reward server under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from redteam_grpo.server.settings import DEFAULT_PORT
+
+
+def serve_reward(
+    scorer: Annotated[
+        str | None,
+        typer.Option(help="Harm scorer: hub id, local folder, embedded:tiny-toxicity or embedded:tiny-guard."),
+    ] = None,
+    scorer_type: Annotated[str | None, typer.Option(help="auto | classifier | judge.")] = None,
+    toxic_label: Annotated[str | None, typer.Option(help="Classifier label whose probability is the score.")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="Take the reward section of this run config.")
+    ] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: reward.key=value.")] = None,
+    embedder: Annotated[
+        bool | None, typer.Option("--embedder/--no-embedder", help="Serve POST /embed with reward.embedder (novelty).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind; beyond loopback a token is required.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = DEFAULT_PORT,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
+    max_batch: Annotated[int, typer.Option(help="Texts per model call that requests are batched up to.")] = 64,
+    max_wait_ms: Annotated[float, typer.Option(help="How long a request waits to share a model call.")] = 5.0,
+    max_texts: Annotated[int, typer.Option(help="Texts per request (more: 413).")] = 512,
+    max_chars: Annotated[int, typer.Option(help="Characters per text (more: 422).")] = 20_000,
+    max_body_bytes: Annotated[int, typer.Option(help="Request body bytes (more: 413).")] = 8 * 1024 * 1024,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+) -> None:
+    """Serve a harm scorer (+ refusal flags, + embeddings for novelty) over HTTP for training runs."""
+    from redteam_grpo.cli.main import _load, console, offline_environment
+
+    overrides = list(set_ or [])
+    for key, value in (("scorer", scorer), ("scorer_type", scorer_type), ("toxic_label", toxic_label)):
+        if value is not None:
+            overrides.append(f"reward.{key}={value}")
+    cfg = _load(config, overrides)
+    offline_environment(cfg.run.offline)
+
+    import uvicorn
+
+    from redteam_grpo.core.config import Secrets
+    from redteam_grpo.core.policy import resolve_device
+    from redteam_grpo.core.scorers import ScorerError
+    from redteam_grpo.core.scoring import build_local_scoring, preflight
+    from redteam_grpo.server.app import create_app
+    from redteam_grpo.server.settings import ServerSettings
+
+    serve_embedder = embedder if embedder is not None else cfg.reward.novelty_weight > 0
+    try:
+        settings = ServerSettings(
+            reward=cfg.reward,
+            serve_embedder=serve_embedder,
+            host=host,
+            port=port,
+            device=device,
+            max_batch=max_batch,
+            max_wait_ms=max_wait_ms,
+            max_texts=max_texts,
+            max_chars=max_chars,
+            max_body_bytes=max_body_bytes,
+            token=Secrets().reward_token,
+        )
+        settings.check_exposure()
+        preflight(cfg.reward)  # a wrong label or an unknown model fails here, before the port is bound
+    except (ValueError, ScorerError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch_device = resolve_device(device)
+    app = create_app(settings, lambda: build_local_scoring(cfg.reward, torch_device, with_embedder=serve_embedder))
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

