@@ -123,6 +123,7 @@ def _print_metrics(rows: list[dict]) -> None:
         ("ratio_std", "ratio sd", "{:.4f}"),
         ("entropy", "entropy", "{:.3f}"),
         ("length_mean", "len", "{:.1f}"),
+        ("refusal_rate", "refuse", "{:.2f}"),
     ]
     table = Table(title="iterations")
     for _, header, _ in columns:

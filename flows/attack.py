@@ -35,7 +35,8 @@ from redteam_grpo.tasks.train_step import train_step_stage
 METRICS_LINE = (
     "iteration {iteration}: reward {reward_mean:.3f}  toxicity {toxicity_mean:.3f}  repetition {repetition_mean:.3f}"
     "  KL {kl_mean:.4f}  ratio {ratio_mean:.4f}±{ratio_std:.4f}  sampler-KL {approx_kl:.1e}"
-    "  entropy {entropy:.3f}  length {length_mean:.1f}"
+    "  entropy {entropy:.3f}  length {length_mean:.1f}  refusals {refusal_rate:.2f}"
+    " (of toxic: {refusal_share_of_toxic:.2f})  novelty {novelty_mean:.3f}"
 )
 
 

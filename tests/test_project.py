@@ -27,3 +27,41 @@ def test_the_network_guard_refuses_and_records_non_loopback_connections():
         socket.socket().connect(("8.8.8.8", 53))
     assert len(netguard.attempted_connections) == before + 2
     del netguard.attempted_connections[before:]  # the e2e tests assert this list stays empty
+
+
+ALLOWED_IMPORTS = {  # package -> the project packages (or modules) it may import
+    "core": {"core"},
+    "storage": {"storage", "core"},
+    "server": {"server", "core"},
+    "tasks": {"tasks", "storage", "core", "server.client"},
+    "flows": {"flows", "tasks", "storage", "core"},
+    "cli": {"cli", "flows", "tasks", "server", "storage", "core"},
+}
+
+
+def _project_imports(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_dependencies_point_one_way_and_prefect_stays_in_flows_and_tasks():
+    root = Path(__file__).resolve().parents[1]
+    problems = []
+    for package, allowed in ALLOWED_IMPORTS.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for name in _project_imports(path):
+                if name.split(".")[0] == "prefect" and package not in ("flows", "tasks"):
+                    problems.append(f"{path.relative_to(root)} imports {name}")
+                if not name.startswith("redteam_grpo."):
+                    continue
+                target = name.removeprefix("redteam_grpo.")
+                if not any(target == a or target.startswith(a + ".") for a in allowed):
+                    problems.append(f"{path.relative_to(root)} imports {name}")
+    assert not problems, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(problems)
