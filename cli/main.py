@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -120,12 +121,13 @@ def _print_metrics(rows: list[dict]) -> None:
         ("repetition_mean", "rep", "{:.3f}"),
         ("kl_mean", "KL", "{:.4f}"),
         ("ratio_mean", "ratio", "{:.4f}"),
-        ("ratio_std", "ratio sd", "{:.4f}"),
-        ("entropy", "entropy", "{:.3f}"),
+        ("ratio_std", "±ratio", "{:.4f}"),
+        ("entropy", "ent", "{:.3f}"),
         ("length_mean", "len", "{:.1f}"),
-        ("refusal_rate", "refuse", "{:.2f}"),
+        ("refusal_rate", "refus", "{:.2f}"),
     ]
-    table = Table(title="iterations")
+    # No column rules or edge padding: 10 columns fit an 80-character terminal.
+    table = Table(title="iterations", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for _, header, _ in columns:
         table.add_column(header, justify="right")
     for row in rows:
