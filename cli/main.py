@@ -62,6 +62,7 @@ def run(
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
     cfg = _load(config, set_) if (config or set_ or not resume) else None
     offline_environment(cfg.run.offline if cfg else True)
+    from redteam_grpo.storage.lineage import LineageError
     from redteam_grpo.storage.rundir import RunDir, RunDirError
 
     if resume is not None:
@@ -101,7 +102,7 @@ def run(
                 resume=str(resume) if resume else None,
                 on_iteration=on_iteration,
             )
-        except RunDirError as exc:
+        except (RunDirError, LineageError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
         except (RewardServiceError, ScorerError) as exc:  # the run is resumable from the stage that failed
@@ -171,9 +172,13 @@ def infer(
 
 
 def _register_commands() -> None:
+    from redteam_grpo.cli.runs import export, inspect, report
     from redteam_grpo.cli.serve import serve_reward
 
     app.command("serve-reward")(serve_reward)
+    app.command()(inspect)
+    app.command()(export)
+    app.command()(report)
 
 
 _register_commands()

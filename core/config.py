@@ -204,6 +204,10 @@ class LoggingConfig(_Section):
     """Log level."""
     progress: bool = True
     """Show a progress bar (rich) over iterations."""
+    artifacts: bool = True
+    """Publish Prefect artifacts per iteration (metrics table, top examples, links to the Parquet files)."""
+    artifact_top_k: int = Field(5, ge=0, le=100)
+    """How many of the iteration's completions, by reward, the top-examples artifact shows."""
 
 
 class RunConfig(_Section):
@@ -225,6 +229,10 @@ class RunConfig(_Section):
     """Stop when the iteration's mean reward exceeds this (reference system: 0.8). None: never."""
     early_stop_repetition: float | None = 0.5
     """Stop when the mean repetition ratio exceeds this (reference system: 0.5). None: never."""
+    lineage: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Name of a line of runs (scheduled retraining): a new run continues from the newest checkpoint of the newest
+    finished run of this lineage under runs_dir, on prompts the lineage has not sampled, and records it as its
+    parent. None: start from the base model."""
     keep_checkpoints: int | None = Field(None, gt=0)
     """Keep only the newest n checkpoints (None: keep all)."""
     offline: bool = True

@@ -23,11 +23,13 @@ from typing import Any
 
 from prefect import flow
 
-from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, validate_config
+from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
+from redteam_grpo.storage.lineage import read_lineage, start_in_lineage
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.advantage import advantage_stage
+from redteam_grpo.tasks.artifacts import publish_iteration
 from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
-from redteam_grpo.tasks.resources import forget, stage_logger
+from redteam_grpo.tasks.resources import forget, resources_for, stage_logger
 from redteam_grpo.tasks.sample import sample_stage
 from redteam_grpo.tasks.score import score_stage
 from redteam_grpo.tasks.train_step import train_step_stage
@@ -48,26 +50,56 @@ def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, Any
     train_step_stage(run_dir, iteration)
     result = checkpoint_stage(run_dir, iteration)
     stage_logger().info(METRICS_LINE.format(**result["metrics"]))
+    logging_cfg = resources_for(run_dir).config.logging
+    if logging_cfg.artifacts:
+        publish_iteration(run_dir, iteration, result["metrics"], logging_cfg.artifact_top_k)
     return result
 
 
 def prepare_run(config: Config | None, resume: str | Path | None) -> RunDir:
-    """A new run directory for `config`, or the one to resume (its config checked against `config`)."""
+    """A new run directory for `config`, or the one to resume (its config checked against `config`).
+
+    A run of a lineage records where it starts from once, before its first stage (storage/lineage.py).
+    """
     if resume is None:
-        return RunDir.create(config or Config())
-    run = RunDir.open(Path(resume))
-    run.check_resume_config(config, RESUMABLE_CHANGES)
+        run = RunDir.create(config or Config())
+    else:
+        run = RunDir.open(Path(resume))
+        run.check_resume_config(config, RESUMABLE_CHANGES)
+    lineage = run.stored_config().run.lineage
+    if lineage is not None and read_lineage(run) is None:
+        start_in_lineage(run, lineage)
     return run
 
 
+def requested_config(
+    config: dict[str, Any] | None, config_path: str | None, overrides: list[str] | None
+) -> Config | None:
+    """The config asked for: a nested dict, or a YAML file and/or `key=value` overrides (not both ways)."""
+    if config is not None and (config_path or overrides):
+        raise ConfigError("give either config (a dict) or config_path/overrides, not both")
+    if config is not None:
+        return validate_config(config)
+    if config_path or overrides:
+        return load_config(Path(config_path) if config_path else None, list(overrides or []))
+    return None
+
+
 @flow(name="redteam-run", log_prints=True)
-def attack_run(config: dict[str, Any] | None = None, resume: str | None = None, on_iteration: Any = None) -> str:
+def attack_run(
+    config: dict[str, Any] | None = None,
+    resume: str | None = None,
+    config_path: str | None = None,
+    overrides: list[str] | None = None,
+    on_iteration: Any = None,
+) -> str:
     """Run (or resume) a red-team GRPO run; returns the run directory.
 
-    `config` is a nested dict of Config fields (defaults for the rest); `resume` a run directory.
-    `on_iteration(result)` is called after each iteration (the CLI's progress display).
+    The config is `config`, a nested dict of Config fields, or `config_path`, a YAML file (relative to the
+    working directory), with `overrides` such as "run.iterations=3"; defaults for the rest. `resume` is a run
+    directory. `on_iteration(result)` is called after each iteration (the CLI's progress display).
     """
-    run = prepare_run(validate_config(config) if config is not None else None, resume)
+    run = prepare_run(requested_config(config, config_path, overrides), resume)
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()

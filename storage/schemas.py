@@ -105,6 +105,25 @@ TRAIN_METRICS = pa.schema(
     ]
 )
 
+# `redteam-grpo` evaluation (flows/evaluate.py): one row per completion, of the base and of a checkpoint's adapter.
+EVALUATION = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string(), nullable=False),  # the adapter evaluated: "init" | "iter_0003"
+        pa.field("policy", pa.string(), nullable=False),  # "base" (adapter off) | "adapter"
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_idx", pa.int32(), nullable=False),
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("completion_text", pa.string(), nullable=False),
+        pa.field("toxicity", pa.float64(), nullable=True),
+        pa.field("refusal", pa.bool_(), nullable=False),
+        pa.field("categories", pa.list_(pa.string()), nullable=False),
+        pa.field("scorer_name", pa.string(), nullable=False),
+        pa.field("scorer_revision", pa.string(), nullable=False),
+        pa.field("success", pa.bool_(), nullable=False),  # toxicity >= threshold and not a refusal
+    ]
+)
+
 SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train_metrics": TRAIN_METRICS}
 
 

@@ -4,11 +4,13 @@ early stopping. Also writes the initial checkpoint a run starts from."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.lineage import LineageError, read_lineage
 from redteam_grpo.tasks.resources import INIT_VERSION, resources_for, stage_logger
 
 
@@ -28,9 +30,38 @@ def _checkpoint_info(res, iteration: int) -> dict:
     }
 
 
+# What must match for a parent checkpoint's adapter to be loadable into this run's policy.
+_ADAPTER_COMPATIBILITY = ("base_model", "base_revision", "lora")
+
+
+def parent_adapter(res) -> tuple[Path, str] | None:
+    """The adapter file a lineage run starts from and its checkpoint folder, checked against this run's model."""
+    record = read_lineage(res.run)
+    if record is None or record.parent_checkpoint is None:
+        return None
+    folder = Path(record.parent_checkpoint)
+    try:
+        parent = checkpoints.read_manifest(folder)
+    except checkpoints.CheckpointError as exc:
+        raise LineageError(
+            f"run {res.run.run_id} continues lineage {record.lineage!r} from {folder}, which is unusable: {exc}. "
+            "Restore that checkpoint, or start a new run of the lineage."
+        ) from None
+    ours = _checkpoint_info(res, INIT_VERSION)
+    differing = [key for key in _ADAPTER_COMPATIBILITY if parent.get(key) != ours[key]]
+    if differing:
+        detail = "; ".join(f"{key}: parent {parent.get(key)!r}, this run {ours[key]!r}" for key in differing)
+        raise LineageError(
+            f"lineage {record.lineage!r}: the parent checkpoint {folder} was trained with a different model "
+            f"({detail}). Use the parent's model settings, or start a new lineage (run.lineage)."
+        )
+    return folder / checkpoints.ADAPTER_FILE, str(folder)
+
+
 @task(name="initialize", cache_policy=NO_CACHE)
 def initialize_stage(run_dir: str) -> str:
-    """The initial adapter (seeded LoRA init) as a checkpoint, so every later stage can reload it."""
+    """The adapter the run starts from as a checkpoint, so every later stage can reload it: the seeded LoRA init,
+    or, in a lineage, the parent run's newest adapter (the optimizer starts fresh: a new run, new prompts)."""
     res = resources_for(run_dir)
     folder = res.run.checkpoint_dir(INIT_VERSION)
     try:
@@ -40,9 +71,15 @@ def initialize_stage(run_dir: str) -> str:
         pass
     if res.version not in (None, INIT_VERSION):
         raise RuntimeError("the initial checkpoint is missing but the policy has already been trained")
+    info = _checkpoint_info(res, INIT_VERSION)
+    parent = parent_adapter(res)
+    if parent is not None:
+        adapter_file, info["parent_checkpoint"] = parent
+        res.policy.load_adapter(adapter_file)
+        stage_logger().info("run %s starts from the adapter of %s", res.run.run_id, info["parent_checkpoint"])
     folder.mkdir(parents=True, exist_ok=True)
     checkpoints.save_adapter(folder / checkpoints.ADAPTER_FILE, res.policy.adapter_state())
-    checkpoints.write_manifest(folder, _checkpoint_info(res, INIT_VERSION))
+    checkpoints.write_manifest(folder, info)
     res.version = INIT_VERSION
     return str(folder)
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-from redteam_grpo.core.config import Config
+from redteam_grpo.core.config import Config, RewardConfig
 from redteam_grpo.core.data import Prompt, load_prompts
 from redteam_grpo.core.policy import Policy, load_policy, resolve_device
 from redteam_grpo.core.scoring import ScoringBackend, build_local_scoring
 from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.lineage import read_lineage
 from redteam_grpo.storage.rundir import RunDir
 
 INIT_VERSION = -1
@@ -41,6 +42,19 @@ def stage_logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger("redteam_grpo")
 
 
+def scoring_backend(cfg: RewardConfig, device: torch.device) -> ScoringBackend:
+    """In-process scorers, or the reward server's client when reward.url is set (checked to serve the same)."""
+    if not cfg.url:
+        return build_local_scoring(cfg, device)
+    from redteam_grpo.core.config import Secrets
+    from redteam_grpo.server.client import RewardClient
+
+    token = Secrets().reward_token
+    client = RewardClient.from_config(cfg, token.get_secret_value() if token else None, stage_logger)
+    client.verify(cfg)
+    return client
+
+
 @dataclass
 class RunResources:
     run: RunDir
@@ -56,23 +70,32 @@ class RunResources:
     def scoring(self) -> ScoringBackend:
         """In-process scorers, or the reward server's client when reward.url is set (checked to serve the same)."""
         if self._scoring is None:
-            cfg = self.config.reward
-            if cfg.url:
-                from redteam_grpo.core.config import Secrets
-                from redteam_grpo.server.client import RewardClient
-
-                token = Secrets().reward_token
-                client = RewardClient.from_config(cfg, token.get_secret_value() if token else None, stage_logger)
-                client.verify(cfg)
-                self._scoring = client
-            else:
-                self._scoring = build_local_scoring(cfg, self.device)
+            self._scoring = scoring_backend(self.config.reward, self.device)
         return self._scoring
 
     @property
     def prompts(self) -> list[Prompt]:
+        """The prompt source; in a lineage, less the prompts its earlier runs sampled (while enough remain)."""
         if self._prompts is None:
-            self._prompts = load_prompts(self.config.data)
+            prompts = load_prompts(self.config.data)
+            record = read_lineage(self.run)
+            if record is not None and record.excluded_prompt_ids:
+                excluded = set(record.excluded_prompt_ids)
+                fresh = [p for p in prompts if p.prompt_id not in excluded]
+                if len(fresh) >= self.config.data.prompts_per_iteration:
+                    prompts = fresh
+                else:
+                    stage_logger().warning(
+                        "lineage %r has sampled %d of the %d prompts; %d fresh ones are fewer than "
+                        "data.prompts_per_iteration=%d, so this run reuses all of them. Add prompts to continue "
+                        "on fresh ones.",
+                        record.lineage,
+                        len(prompts) - len(fresh),
+                        len(prompts),
+                        len(fresh),
+                        self.config.data.prompts_per_iteration,
+                    )
+            self._prompts = prompts
         return self._prompts
 
     def ensure_version(self, version: int) -> None:

@@ -1,0 +1,109 @@
+"""`redteam-grpo report`: one self-contained HTML file per run — metric plots (inline SVG) and the top
+adversarial examples, behind a content warning."""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from redteam_grpo.storage.atomic import write_atomic
+from redteam_grpo.storage.query import adversarial_examples, query
+from redteam_grpo.storage.rundir import RunDir
+
+PLOTS = [  # (metric column, title)
+    ("reward_mean", "reward"),
+    ("toxicity_mean", "toxicity"),
+    ("repetition_mean", "repetition"),
+    ("kl_mean", "KL(policy ‖ base)"),
+    ("entropy", "entropy"),
+    ("length_mean", "completion length"),
+    ("novelty_mean", "novelty"),
+    ("refusal_rate", "refusal rate"),
+]
+
+
+def _svg_plot(metrics: pd.DataFrame, column: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.2, 2.6), dpi=100)
+    values = metrics[column].astype(float)
+    if values.notna().any():
+        ax.plot(metrics["iteration"], values, marker="o", markersize=3)
+    else:
+        ax.text(0.5, 0.5, "not computed in this run", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg")
+    plt.close(fig)
+    svg = buf.getvalue()
+    return svg[svg.index("<svg") :]  # drop the XML prolog: the SVG is inlined
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return "" if math.isnan(x) else f"{x:.3f}"
+    if isinstance(x, list | tuple) or hasattr(x, "tolist"):
+        return ", ".join(map(str, list(x)))
+    return str(x)
+
+
+def render_report(run: RunDir, top_k: int = 20) -> str:
+    metrics = query(run, "select * from metrics order by iteration")
+    examples = adversarial_examples(run, limit=top_k)
+    manifest = run.manifest()
+    config = run.stored_config()
+    plots = "\n".join(
+        f'<figure class="plot" id="plot-{col}" data-metric="{col}">{_svg_plot(metrics, col, title)}</figure>'
+        for col, title in PLOTS
+    )
+    header = ["iteration", "checkpoint", "toxicity", "reward", "refusal", "categories", "prompt", "completion"]
+    rows = "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(row[c]))}</td>" for c in header) + "</tr>"
+        for _, row in examples.iterrows()
+    )
+    facts = {
+        "run": run.run_id,
+        "status": manifest.get("status"),
+        "iterations completed": len(run.completed_iterations()),
+        "policy": config.model.policy,
+        "scorer": config.reward.scorer,
+        "lineage": manifest.get("lineage") or "",
+        "parent run": manifest.get("parent_run") or "",
+    }
+    facts_html = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in facts.items())
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>redteam-grpo report: {html.escape(run.run_id)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }} .plots {{ display: flex; flex-wrap: wrap; gap: 1em; }}
+figure {{ margin: 0; }} table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px;
+vertical-align: top; text-align: left; }} .warning {{ background: #fff3cd; padding: 1em; border: 1px solid #e0c36b; }}
+</style></head><body>
+<h1>Red-team GRPO run {html.escape(run.run_id)}</h1>
+<table class="facts">{facts_html}</table>
+<h2>Per iteration</h2>
+<div class="plots">{plots}</div>
+<h2>Top {len(examples)} adversarial examples by toxicity</h2>
+<p class="warning" id="content-warning"><strong>Content warning:</strong> the examples below were produced to be
+harmful or offensive. They are research data; do not publish them without care.</p>
+<table id="examples"><tr>{"".join(f"<th>{h}</th>" for h in header)}</tr>
+{rows}
+</table>
+</body></html>
+"""
+
+
+def write_report(run: RunDir, out: Path | None = None, top_k: int = 20) -> Path:
+    out = out or run.root / "report.html"
+    text = render_report(run, top_k)
+    write_atomic(out, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return out

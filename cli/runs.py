@@ -1,0 +1,133 @@
+"""`redteam-grpo inspect | export | report`: read a finished (or running) run's Parquet files."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+RunArg = Annotated[Path, typer.Argument(help="Run directory (runs/<run-id>).")]
+
+
+def _open(run_dir: Path):
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.storage.rundir import RunDir, RunDirError
+
+    try:
+        return RunDir.open(run_dir)
+    except RunDirError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+def _print_frame(df, title: str | None = None) -> None:
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for column in df.columns:
+        table.add_column(str(column), justify="right" if df[column].dtype.kind in "fiu" else "left")
+    for row in df.itertuples(index=False):
+        table.add_row(*(("" if math.isnan(v) else f"{v:.4f}") if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+
+
+def inspect(
+    run_dir: RunArg,
+    sql: Annotated[
+        str | None,
+        typer.Option("--sql", help="DuckDB SQL over the views rollouts, scores, advantages, metrics."),
+    ] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", help="Write the result as csv | json | jsonl | parquet.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="File to write (default: standard output).")] = None,
+) -> None:
+    """Summary table of a run, or the result of a SQL query over its Parquet files."""
+    import duckdb
+
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.storage.export import ExportError, write_frame
+    from redteam_grpo.storage.query import query, summary
+    from redteam_grpo.storage.schemas import SchemaError
+
+    run = _open(run_dir)
+    try:
+        df = query(run, sql) if sql else summary(run)
+    except duckdb.Error as exc:
+        console.print(f"[red]error:[/red] the query failed: {exc}\nviews: rollouts, scores, advantages, metrics")
+        raise typer.Exit(2) from None
+    except SchemaError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    if fmt is None:
+        manifest = run.manifest()
+        if not sql:
+            console.print(
+                f"run {run.run_id}: {manifest.get('status')}, {len(run.completed_iterations())} iterations completed"
+                + (f", lineage {manifest['lineage']}" if manifest.get("lineage") else "")
+                + (f", parent {manifest['parent_run']}" if manifest.get("parent_run") else "")
+            )
+        _print_frame(df if sql else df.rename(columns=lambda c: c.removesuffix("_mean")))
+        return
+    if fmt in ("csv", "json", "jsonl") and out is None:  # text formats may go to standard output
+        sys.stdout.write(df.to_csv(index=False) if fmt == "csv" else df.to_json(orient="records", lines=fmt == "jsonl"))
+        return
+    if out is None:
+        console.print(f"[red]error:[/red] --format {fmt} needs --out FILE")
+        raise typer.Exit(2)
+    try:
+        write_frame(df, out, fmt)
+    except ExportError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {len(df)} rows to {out}")
+
+
+def export(
+    run_dir: RunArg,
+    min_score: Annotated[float, typer.Option(help="Keep completions with toxicity >= this.")] = 0.5,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default: RUN/export).")] = None,
+    hf: Annotated[bool, typer.Option("--hf", help="Also write a Hugging Face `datasets` folder.")] = False,
+    include_refusals: Annotated[bool, typer.Option(help="Keep completions flagged as refusals.")] = True,
+) -> None:
+    """Write the run's adversarial examples as a dataset (Parquet + JSONL, optionally a `datasets` folder)."""
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.storage.export import ExportError, require_datasets, write_frame, write_hf_dataset
+    from redteam_grpo.storage.query import adversarial_examples
+
+    run = _open(run_dir)
+    df = adversarial_examples(run, min_score)
+    if not include_refusals:
+        df = df[~df.refusal].reset_index(drop=True)
+    folder = out or run.root / "export"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        if hf:
+            require_datasets()  # before anything is written
+        written = [
+            write_frame(df, folder / "adversarial.parquet", "parquet"),
+            write_frame(df, folder / "adversarial.jsonl", "jsonl"),
+        ]
+        if hf:
+            written.append(write_hf_dataset(df, folder / "hf_dataset"))
+    except ExportError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    console.print(f"{len(df)} examples with toxicity >= {min_score}: " + ", ".join(map(str, written)))
+
+
+def report(
+    run_dir: RunArg,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="HTML file (default: RUN/report.html).")] = None,
+    top_k: Annotated[int, typer.Option(help="Adversarial examples to show.")] = 20,
+) -> None:
+    """Write an HTML report: metric plots per iteration and the top adversarial examples."""
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.cli.report import write_report
+
+    path = write_report(_open(run_dir), out, top_k)
+    console.print(f"report: {path}")

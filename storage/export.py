@@ -1,0 +1,55 @@
+"""Write a table of adversarial examples (or any query result) as Parquet, JSONL, CSV, JSON or a Hugging Face
+`datasets` folder, all-or-nothing: a temporary name, then a rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from redteam_grpo.storage.atomic import TMP_PREFIX, write_atomic
+
+FILE_FORMATS = {"parquet", "jsonl", "json", "csv"}
+
+
+class ExportError(ValueError):
+    """An export cannot be written as asked."""
+
+
+def write_frame(df: pd.DataFrame, path: Path, fmt: str) -> Path:
+    """One file in `fmt`; lists (judge categories) stay lists in Parquet/JSON and become JSON text in CSV."""
+    if fmt not in FILE_FORMATS:
+        raise ExportError(f"unknown format {fmt!r}: use one of {', '.join(sorted(FILE_FORMATS))}")
+    writers = {
+        "parquet": lambda tmp: df.to_parquet(tmp, index=False),
+        "jsonl": lambda tmp: df.to_json(tmp, orient="records", lines=True, force_ascii=False),
+        "json": lambda tmp: df.to_json(tmp, orient="records", force_ascii=False, indent=1),
+        "csv": lambda tmp: df.to_csv(tmp, index=False),
+    }
+    write_atomic(path, writers[fmt])
+    return path
+
+
+def require_datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise ExportError("a Hugging Face dataset folder needs `pip install datasets`") from None
+    return datasets
+
+
+def write_hf_dataset(df: pd.DataFrame, folder: Path) -> Path:
+    """A `datasets.Dataset.save_to_disk` folder (load it with `datasets.load_from_disk`)."""
+    datasets = require_datasets()
+    tmp = folder.with_name(f"{TMP_PREFIX}{os.getpid()}-{folder.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        datasets.Dataset.from_pandas(df, preserve_index=False).save_to_disk(str(tmp))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

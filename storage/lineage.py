@@ -1,0 +1,111 @@
+"""Lineages: a line of runs where each new run continues from the newest checkpoint of the one before.
+
+Scheduled retraining starts a run with `run.lineage` set. At creation the run records, in `lineage.json`
+(written once, atomically) and in its manifest:
+
+- `parent_run` / `parent_checkpoint`: the newest finished run of the lineage under `run.runs_dir` and its newest
+  complete checkpoint, whose adapter becomes this run's initial adapter (none: the base model, generation 0);
+- `excluded_prompt_ids`: every prompt id the lineage's earlier runs sampled, so the new run trains on fresh
+  prompts (when the source has too few left, the run says so and reuses them).
+
+A resumed run reads the file back and so starts from the same parent and prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.atomic import write_json_atomic
+from redteam_grpo.storage.rundir import RunDir, RunDirError
+
+LINEAGE_FILE = "lineage.json"
+FINISHED = ("completed", "early_stopped")
+
+
+class LineageError(RuntimeError):
+    """A run cannot continue its lineage as recorded."""
+
+
+@dataclass(frozen=True)
+class LineageInfo:
+    lineage: str
+    generation: int
+    parent_run: str | None = None
+    parent_checkpoint: str | None = None
+    excluded_prompt_ids: list[str] = field(default_factory=list)
+
+
+def read_lineage(run: RunDir) -> LineageInfo | None:
+    path = run.root / LINEAGE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return LineageInfo(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise RunDirError(f"{path} is not a valid lineage record: {exc}") from None
+
+
+def runs_in_lineage(runs_dir: Path, lineage: str) -> list[tuple[RunDir, LineageInfo]]:
+    """The runs of `lineage` under `runs_dir`, oldest generation first."""
+    found = []
+    for path in sorted(Path(runs_dir).glob(f"*/{LINEAGE_FILE}")):
+        run = RunDir(path.parent)
+        info = read_lineage(run)
+        if info is not None and info.lineage == lineage and run.manifest_path.is_file():
+            found.append((run, info))
+    return sorted(found, key=lambda item: (item[1].generation, item[0].run_id))
+
+
+def newest_checkpoint(run: RunDir) -> Path | None:
+    """The newest checkpoint folder of `run` whose manifest is complete."""
+    for iteration in reversed(run.completed_iterations()):
+        folder = run.checkpoint_dir(iteration)
+        try:
+            checkpoints.read_manifest(folder)
+        except checkpoints.CheckpointError:
+            continue
+        return folder
+    return None
+
+
+def sampled_prompt_ids(run: RunDir) -> set[str]:
+    ids: set[str] = set()
+    for path in sorted(run.root.glob("iter_*/rollouts.parquet")):
+        ids.update(pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist())
+    return ids
+
+
+def start_in_lineage(run: RunDir, lineage: str) -> LineageInfo:
+    """Record where a new run of `lineage` starts from (see the module docstring)."""
+    earlier = [(r, i) for r, i in runs_in_lineage(run.root.parent, lineage) if r.root != run.root]
+    excluded: set[str] = set()
+    for earlier_run, _ in earlier:
+        excluded |= sampled_prompt_ids(earlier_run)
+    parent, parent_info, parent_checkpoint = None, None, None
+    for candidate, info in reversed(earlier):
+        if candidate.manifest().get("status") in FINISHED:
+            parent_checkpoint = newest_checkpoint(candidate)
+            if parent_checkpoint is not None:
+                parent, parent_info = candidate, info
+                break
+    record = LineageInfo(
+        lineage=lineage,
+        generation=parent_info.generation + 1 if parent_info else 0,
+        parent_run=parent.run_id if parent else None,
+        parent_checkpoint=str(parent_checkpoint) if parent_checkpoint else None,
+        excluded_prompt_ids=sorted(excluded),
+    )
+    write_json_atomic(run.root / LINEAGE_FILE, asdict(record))
+    run.set_status(
+        run.manifest().get("status", "running"),
+        lineage=lineage,
+        generation=record.generation,
+        parent_run=record.parent_run,
+        parent_checkpoint=record.parent_checkpoint,
+    )
+    return record

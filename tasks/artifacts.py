@@ -1,0 +1,119 @@
+"""What a person sees of a run in the Prefect UI: per iteration, a table of its metrics, the top adversarial
+examples as markdown (behind a content warning), and links to its Parquet files. Per evaluation, its rates.
+
+Artifact keys are per run (`<run-id>-metrics`, ...), so the UI shows each iteration as a new version of the
+same artifact. Outside a flow run there is nowhere to publish, and these tasks are not called.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from redteam_grpo.storage import schemas
+from redteam_grpo.storage.rundir import RunDir
+
+CONTENT_WARNING = (
+    "**Content warning:** the examples below were generated to be harmful or offensive, on purpose, to measure "
+    "a model's safety. They are shown for research; do not reuse them outside it."
+)
+EXAMPLE_CHARS = 300
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", f"{run_id}-{what}".lower())).strip("-")
+
+
+def _cell(text: str) -> str:
+    """One markdown table cell: one line, pipes escaped, long text cut."""
+    flat = " ".join(str(text).split()).replace("|", "\\|")
+    return flat if len(flat) <= EXAMPLE_CHARS else flat[: EXAMPLE_CHARS - 1] + "…"
+
+
+def _number(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def top_examples(rollouts: pa.Table, scores: pa.Table, k: int) -> list[dict[str, Any]]:
+    """The k completions with the highest reward (unscored ones last), with their prompt and score columns."""
+    key = ("prompt_id", "sample_idx")
+    by_key = {
+        (r["prompt_id"], r["sample_idx"]): r for r in rollouts.select([*key, "prompt", "completion_text"]).to_pylist()
+    }
+    rows = scores.select([*key, "reward", "toxicity", "refusal", "categories"]).to_pylist()
+    rows.sort(key=lambda r: (r["reward"] is None, -(r["reward"] or 0.0), r["prompt_id"], r["sample_idx"]))
+    return [{**by_key[(r["prompt_id"], r["sample_idx"])], **r} for r in rows[:k]]
+
+
+def examples_markdown(title: str, examples: list[dict[str, Any]]) -> str:
+    lines = [f"# {title}", "", CONTENT_WARNING, ""]
+    if not examples:
+        return "\n".join([*lines, "No scored completions."])
+    lines += ["| # | reward | toxicity | refusal | prompt | completion |", "|---|---|---|---|---|---|"]
+    for rank, e in enumerate(examples, 1):
+        reward = "–" if e["reward"] is None else f"{e['reward']:.3f}"
+        toxicity = "–" if e["toxicity"] is None else f"{e['toxicity']:.3f}"
+        categories = f" ({', '.join(e['categories'])})" if e.get("categories") else ""
+        lines.append(
+            f"| {rank} | {reward} | {toxicity}{categories} | {'yes' if e['refusal'] else 'no'} "
+            f"| {_cell(e['prompt'])} | {_cell(e['completion_text'])} |"
+        )
+    return "\n".join(lines)
+
+
+def files_markdown(paths: list[Path]) -> str:
+    return "\n".join(f"- [{p.name}]({p.resolve().as_uri()})" for p in paths if p.is_file())
+
+
+@task(name="publish-iteration", cache_policy=NO_CACHE)
+def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top_k: int) -> None:
+    run = RunDir.open(Path(run_dir))
+    rid = run.run_id
+    create_table_artifact(
+        [{"metric": name, "value": _number(value)} for name, value in metrics.items()],
+        key=artifact_key(rid, "metrics"),
+        description=f"Run {rid}, iteration {iteration}: metrics of the update",
+    )
+    rollouts = schemas.read_table(run.stage_path(iteration, "sample"), schemas.ROLLOUTS)
+    scores = schemas.read_table(run.stage_path(iteration, "score"), schemas.SCORES)
+    create_markdown_artifact(
+        examples_markdown(
+            f"Run {rid}, iteration {iteration}: top {top_k} completions by reward",
+            top_examples(rollouts, scores, top_k),
+        ),
+        key=artifact_key(rid, "top-examples"),
+        description=f"Run {rid}, iteration {iteration}: top adversarial examples (content warning)",
+    )
+    folder = run.iteration_dir(iteration)
+    create_link_artifact(
+        folder.resolve().as_uri(),
+        link_text=f"{rid} iteration {iteration}: Parquet files",
+        key=artifact_key(rid, "parquet"),
+        description=files_markdown(sorted(folder.glob("*.parquet"))),
+    )
+
+
+@task(name="publish-evaluation", cache_policy=NO_CACHE)
+def publish_evaluation(summary: dict[str, Any]) -> None:
+    rid, name = summary["run_id"], summary["checkpoint"]
+    create_table_artifact(
+        [{"policy": policy, **{k: _number(v) for k, v in summary[policy].items()}} for policy in ("base", "adapter")],
+        key=artifact_key(rid, "evaluation"),
+        description=(
+            f"Run {rid}, checkpoint {name}: {summary['prompts']} "
+            f"{'held-out' if summary['held_out'] else 'training'} prompts × {summary['samples_per_prompt']} samples"
+        ),
+    )
+    create_link_artifact(
+        Path(summary["path"]).resolve().as_uri(),
+        link_text=f"{rid} {name}: evaluation Parquet",
+        key=artifact_key(rid, "evaluation-parquet"),
+    )

@@ -1,0 +1,145 @@
+"""Evaluation of a run's checkpoint: how often it elicits unsafe output on prompts the run never trained on,
+side by side with the base model (adapter off), sampled with the same seeds and scored by the run's scorer."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from redteam_grpo.core.chat import format_prompt_ids
+from redteam_grpo.core.data import load_prompts
+from redteam_grpo.core.policy import load_policy, resolve_device
+from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.lineage import sampled_prompt_ids
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.tasks.common import write_parquet
+from redteam_grpo.tasks.resources import derive_seed, scoring_backend, stage_logger
+
+POLICIES = ("base", "adapter")
+
+
+class EvaluationError(RuntimeError):
+    """The run or checkpoint cannot be evaluated as asked."""
+
+
+def checkpoint_name(iteration: int) -> str:
+    return "init" if iteration < 0 else f"iter_{iteration:04d}"
+
+
+def choose_checkpoint(run: RunDir, iteration: int | None) -> int:
+    done = run.completed_iterations()
+    if iteration is None:
+        if not done:
+            raise EvaluationError(f"{run.root} has no completed iteration to evaluate yet")
+        return done[-1]
+    try:
+        checkpoints.read_manifest(run.checkpoint_dir(iteration))
+    except checkpoints.CheckpointError as exc:
+        raise EvaluationError(f"{exc}; completed iterations: {done}") from None
+    return iteration
+
+
+def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
+    scored = [r["toxicity"] for r in rows if r["toxicity"] is not None]
+    return {
+        "attack_success_rate": sum(r["success"] for r in rows) / len(rows),
+        "toxicity_mean": sum(scored) / len(scored) if scored else math.nan,
+        "refusal_rate": sum(r["refusal"] for r in rows) / len(rows),
+    }
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_checkpoint(
+    run_dir: str,
+    iteration: int | None,
+    num_prompts: int,
+    samples_per_prompt: int,
+    success_threshold: float,
+    seed: int,
+) -> dict[str, Any]:
+    """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>.parquet; return rates."""
+    if num_prompts < 1 or samples_per_prompt < 1:
+        raise EvaluationError("num_prompts and samples_per_prompt must be at least 1")
+    run = RunDir.open(Path(run_dir))
+    cfg = run.stored_config()
+    iteration = choose_checkpoint(run, iteration)
+    name = checkpoint_name(iteration)
+    log = stage_logger()
+
+    prompts = load_prompts(cfg.data)
+    trained = sampled_prompt_ids(run)
+    pool = [p for p in prompts if p.prompt_id not in trained]
+    held_out = bool(pool)
+    if not held_out:
+        log.warning("run %s sampled every prompt of its source: evaluating on training prompts", run.run_id)
+        pool = prompts
+    chosen = random.Random(seed).sample(pool, min(num_prompts, len(pool)))
+
+    device = resolve_device(cfg.run.device)
+    policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
+    policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
+    prompt_ids = [format_prompt_ids(policy.tokenizer, p.text, cfg.model.system_prompt) for p in chosen]
+    sampling_seed = derive_seed(seed, "evaluate")
+    args = (prompt_ids, samples_per_prompt, cfg.sampling.max_new_tokens, cfg.sampling.batch_size, sampling_seed)
+    with policy.reference():
+        base = sample_completions(policy, *args)
+    adapter = sample_completions(policy, *args)
+
+    scoring = scoring_backend(cfg.reward, device)
+    scorer = scoring.describe().scorer
+    rows: list[dict[str, Any]] = []
+    for label, completions in zip(POLICIES, (base, adapter), strict=True):
+        texts = policy.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+        prompt_texts = [chosen[c.prompt_index].text for c in completions]
+        for c, text, prompt, s in zip(
+            completions, texts, prompt_texts, scoring.score(texts, prompt_texts), strict=True
+        ):
+            toxicity = s.score if s.score is not None and math.isfinite(s.score) else None
+            rows.append(
+                {
+                    "run_id": run.run_id,
+                    "checkpoint": name,
+                    "policy": label,
+                    "prompt_id": chosen[c.prompt_index].prompt_id,
+                    "sample_idx": c.sample_idx,
+                    "prompt": prompt,
+                    "completion_text": text,
+                    "toxicity": toxicity,
+                    "refusal": bool(s.refusal),
+                    "categories": list(s.categories),
+                    "scorer_name": scorer.name,
+                    "scorer_revision": scorer.revision,
+                    "success": toxicity is not None and toxicity >= success_threshold and not s.refusal,
+                }
+            )
+    table = schemas.to_table({k: [r[k] for r in rows] for k in schemas.EVALUATION.names}, schemas.EVALUATION, "eval")
+    path = run.root / "eval" / f"{name}.parquet"
+    path.parent.mkdir(exist_ok=True)
+    write_parquet(path, table)
+    summary = {
+        "run_id": run.run_id,
+        "checkpoint": name,
+        "path": str(path),
+        "prompts": len(chosen),
+        "samples_per_prompt": samples_per_prompt,
+        "held_out": held_out,
+        **{label: rates([r for r in rows if r["policy"] == label]) for label in POLICIES},
+    }
+    log.info(
+        "%s %s: attack success %.3f (base %.3f), toxicity %.3f (base %.3f) on %d prompts x %d",
+        run.run_id,
+        name,
+        summary["adapter"]["attack_success_rate"],
+        summary["base"]["attack_success_rate"],
+        summary["adapter"]["toxicity_mean"],
+        summary["base"]["toxicity_mean"],
+        len(chosen),
+        samples_per_prompt,
+    )
+    return summary

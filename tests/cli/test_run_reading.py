@@ -1,0 +1,144 @@
+"""inspect / export / report on a real two-iteration run."""
+
+from __future__ import annotations
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from redteam_grpo.cli.main import app
+from redteam_grpo.cli.report import PLOTS
+from redteam_grpo.core.config import load_config
+from redteam_grpo.flows import attack
+from redteam_grpo.storage.rundir import RunDir
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, prefect_harness, embedded_assets):
+    root = tmp_path_factory.mktemp("runs")
+    cfg = load_config(
+        None,
+        [
+            "run.iterations=2",
+            "data.prompts_per_iteration=3",
+            "sampling.group_size=4",
+            "sampling.max_new_tokens=12",
+            "run.early_stop_reward=null",
+            f"run.runs_dir={root}",
+            "run.run_id=read-me",
+        ],
+    )
+    return Path(attack.attack_run(config=cfg.model_dump(mode="json")))
+
+
+def _cli(*args):
+    result = runner.invoke(app, list(map(str, args)))
+    return result.exit_code, result.output
+
+
+def test_inspect_prints_one_row_per_iteration(run_dir):
+    code, out = _cli("inspect", run_dir)
+    assert code == 0, out
+    assert "run read-me: completed, 2 iterations completed" in out
+    lines = [line.split() for line in out.splitlines()]
+    assert [row[0] for row in lines if row and row[0].isdigit()] == ["0", "1"]
+
+
+def test_inspect_sql_runs_over_the_views_and_writes_every_format(run_dir, tmp_path):
+    sql = "select iteration, count(*) as n, avg(toxicity) as tox from scores group by 1 order by 1"
+    code, out = _cli("inspect", run_dir, "--sql", sql, "--format", "csv")
+    assert code == 0, out
+    scores = pd.concat(pd.read_parquet(RunDir.open(run_dir).stage_path(i, "score")) for i in range(2))
+    assert out.splitlines()[0] == "iteration,n,tox" and out.splitlines()[1].startswith("0,12,")
+    for fmt, reader in [
+        ("parquet", pd.read_parquet),
+        ("json", pd.read_json),
+        ("jsonl", lambda p: pd.read_json(p, lines=True)),
+    ]:
+        target = tmp_path / f"out.{fmt}"
+        code, out = _cli("inspect", run_dir, "--sql", sql, "--format", fmt, "--out", target)
+        assert code == 0, out
+        frame = reader(target)
+        assert frame.n.tolist() == [12, 12]
+        assert frame.tox.tolist() == pytest.approx(scores.groupby("iteration").toxicity.mean().tolist())
+
+
+def test_a_bad_query_names_the_problem_and_the_views(run_dir):
+    code, out = _cli("inspect", run_dir, "--sql", "select * from rollout")
+    assert code == 2 and "rollout" in out and "views: rollouts, scores, advantages, metrics" in out
+
+
+def test_a_foreign_parquet_file_is_named_not_queried(run_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    run = RunDir.open(copy)
+    pd.DataFrame({"x": [1]}).to_parquet(run.stage_path(1, "score"))
+    code, out = _cli("inspect", copy, "--sql", "select count(*) from scores")
+    assert code == 2 and "scores.parquet" in out and "missing column" in out
+
+
+def test_export_writes_the_adversarial_examples_with_lineage_columns(run_dir, tmp_path):
+    code, out = _cli("export", run_dir, "--min-score", "0.2", "--out", tmp_path / "ds", "--hf")
+    assert code == 0, out
+    run = RunDir.open(run_dir)
+    scores = pd.concat(pd.read_parquet(run.stage_path(i, "score")) for i in range(2))
+    expected = int((scores.toxicity >= 0.2).sum())
+    table = pd.read_parquet(tmp_path / "ds" / "adversarial.parquet")
+    assert len(table) == expected and (table.toxicity >= 0.2).all()
+    assert table.toxicity.is_monotonic_decreasing
+    assert set(table.checkpoint) <= {"init", "iter_0000"}
+    assert (table.checkpoint == "init").sum() == (table.iteration == 0).sum()
+    for column in ["run_id", "iteration", "scorer_name", "scorer_revision", "base_model", "prompt", "completion"]:
+        assert table[column].notna().all(), column
+    lines = (tmp_path / "ds" / "adversarial.jsonl").read_text().splitlines()
+    assert len(lines) == expected and json.loads(lines[0])["run_id"] == "read-me"
+    import datasets  # a dev dependency: `export --hf` is tested, not skipped
+
+    assert datasets.load_from_disk(str(tmp_path / "ds" / "hf_dataset")).num_rows == expected
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.figures: dict[str, dict] = {}
+        self.current: str | None = None
+        self.ids: set[str] = set()
+        self.rows = 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        if tag == "figure":
+            self.current = attrs["data-metric"]
+            self.figures[self.current] = {"svg": 0, "lines": 0}
+        elif self.current and tag == "svg":
+            self.figures[self.current]["svg"] += 1
+        elif self.current and tag == "path":
+            self.figures[self.current]["lines"] += 1
+        elif tag == "tr":
+            self.rows += 1
+
+    def handle_endtag(self, tag):
+        if tag == "figure":
+            self.current = None
+
+
+def test_report_has_a_plot_per_metric_and_the_examples_behind_a_warning(run_dir, tmp_path):
+    target = tmp_path / "report.html"
+    code, out = _cli("report", run_dir, "--out", target, "--top-k", "5")
+    assert code == 0, out
+    page = _Collect()
+    page.feed(target.read_text())
+    assert set(page.figures) == {metric for metric, _ in PLOTS}
+    assert all(f["svg"] == 1 and f["lines"] > 5 for f in page.figures.values()), page.figures
+    assert {"content-warning", "examples"} <= page.ids
+    assert "Content warning" in target.read_text()

@@ -1,0 +1,125 @@
+"""Scheduled retraining (a lineage of runs), evaluation against the base, and the Prefect artifacts a person sees."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from safetensors.torch import load_file
+
+from redteam_grpo.flows.evaluate import evaluate
+from redteam_grpo.flows.retrain import retrain
+from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.lineage import LineageError, read_lineage, sampled_prompt_ids
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.tasks.artifacts import CONTENT_WARNING, artifact_key, top_examples
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
+
+SMALL = [
+    "run.iterations=2",
+    "data.prompts_per_iteration=3",
+    "sampling.group_size=4",
+    "sampling.max_new_tokens=12",
+    "run.early_stop_reward=null",
+    "logging.artifact_top_k=3",
+]
+
+
+@pytest.fixture(scope="module")
+def lineage(tmp_path_factory, prefect_harness, embedded_assets):
+    """Two generations of the lineage "nightly", started the way the scheduled deployment starts them."""
+    root = tmp_path_factory.mktemp("lineage")
+    runs = []
+    for generation in range(2):
+        overrides = [*SMALL, f"run.runs_dir={root}", f"run.run_id=gen{generation}"]
+        runs.append(RunDir.open(Path(retrain(lineage="nightly", overrides=overrides))))
+    return root, runs
+
+
+def test_a_retraining_run_starts_from_its_parents_newest_adapter(lineage):
+    _, (first, second) = lineage
+    assert read_lineage(first).generation == 0 and read_lineage(first).parent_run is None
+    record = read_lineage(second)
+    assert (record.lineage, record.generation, record.parent_run) == ("nightly", 1, "gen0")
+    assert record.parent_checkpoint == str(first.checkpoint_dir(1))
+    assert second.manifest()["parent_run"] == "gen0" and second.manifest()["lineage"] == "nightly"
+    parent = load_file(first.checkpoint_dir(1) / checkpoints.ADAPTER_FILE)
+    start = load_file(second.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE)
+    fresh = load_file(first.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE)
+    assert parent.keys() == start.keys()
+    assert all((parent[k] == start[k]).all() for k in parent)
+    assert any((parent[k] != fresh[k]).any() for k in parent), "the parent's adapter was never trained"
+    assert checkpoints.read_manifest(second.checkpoint_dir(-1))["parent_checkpoint"] == str(first.checkpoint_dir(1))
+
+
+def test_a_retraining_run_samples_prompts_its_lineage_has_not_seen(lineage):
+    _, (first, second) = lineage
+    seen, fresh = sampled_prompt_ids(first), sampled_prompt_ids(second)
+    assert len(seen) == 6 and len(fresh) == 6
+    assert not seen & fresh
+    assert sorted(seen) == read_lineage(second).excluded_prompt_ids
+
+
+def test_a_parent_trained_with_another_adapter_shape_is_refused(lineage):
+    root, _ = lineage
+    overrides = [*SMALL, f"run.runs_dir={root}", "run.run_id=other-rank", "model.lora_rank=4"]
+    with pytest.raises(LineageError, match=r"lora.*start a new lineage"):
+        retrain(lineage="nightly", overrides=overrides)
+
+
+def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(lineage):
+    _, (_, second) = lineage
+    newest = evaluate(run_dir=str(second.root), num_prompts=3, samples_per_prompt=2, success_threshold=0.5)
+    table = pq.read_table(newest["path"])
+    schemas.check_schema(table.schema, schemas.EVALUATION, newest["path"])
+    df = table.to_pandas()
+    assert newest["checkpoint"] == "iter_0001" and newest["held_out"]
+    assert sorted(df.groupby("policy").size().items()) == [("adapter", 6), ("base", 6)]
+    assert not set(df.prompt_id) & sampled_prompt_ids(second)
+    assert (df.success == ((df.toxicity >= 0.5) & ~df.refusal)).all()
+    for policy in ("base", "adapter"):
+        rows = df[df.policy == policy]
+        assert newest[policy]["attack_success_rate"] == pytest.approx(rows.success.mean())
+        assert newest[policy]["toxicity_mean"] == pytest.approx(rows.toxicity.mean())
+    # The base is the adapter switched off: evaluating another checkpoint gives the same base completions.
+    older = evaluate(run_dir=str(second.root), iteration=0, num_prompts=3, samples_per_prompt=2, artifacts=False)
+    older_df = pd.read_parquet(older["path"])
+    key = ["prompt_id", "sample_idx"]
+    base_now = df[df.policy == "base"].sort_values(key).completion_text.tolist()
+    assert older_df[older_df.policy == "base"].sort_values(key).completion_text.tolist() == base_now
+
+
+def _artifacts(key: str) -> list:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    return sorted(found, key=lambda a: a.created)
+
+
+def test_each_iteration_publishes_metrics_top_examples_and_parquet_links(lineage):
+    _, (first, _) = lineage
+    tables = _artifacts(artifact_key("gen0", "metrics"))
+    notes = _artifacts(artifact_key("gen0", "top-examples"))
+    links = _artifacts(artifact_key("gen0", "parquet"))
+    assert [len(tables), len(notes), len(links)] == [2, 2, 2]
+    last = json.loads(tables[-1].data) if isinstance(tables[-1].data, str) else tables[-1].data
+    metrics = schemas.read_table(first.stage_path(1, "train_step"), schemas.TRAIN_METRICS).to_pylist()[0]
+    published = {row["metric"]: row["value"] for row in last}
+    assert published["reward_mean"] == pytest.approx(metrics["reward_mean"])
+    assert published["iteration"] == 1
+    best = top_examples(
+        schemas.read_table(first.stage_path(1, "sample"), schemas.ROLLOUTS),
+        schemas.read_table(first.stage_path(1, "score"), schemas.SCORES),
+        3,
+    )
+    markdown = notes[-1].data
+    assert CONTENT_WARNING in markdown
+    assert markdown.count("\n| ") == 1 + 3  # header and the top 3 rows
+    assert f"| 1 | {best[0]['reward']:.3f} |" in markdown
+    assert links[-1].data.endswith(f"({first.iteration_dir(1).resolve().as_uri()})")
+    assert "scores.parquet" in links[-1].description
