@@ -1,0 +1,151 @@
+"""prefect.yaml against a real Prefect server: `prefect server start` (SQLite) on a free loopback port, a process
+work pool, `prefect deploy --all`, a process worker, deployment runs triggered with parameters, their Parquet
+output checked. Everything started here is stopped here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from redteam_grpo.storage import schemas
+from redteam_grpo.storage.lineage import read_lineage
+from redteam_grpo.storage.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFECT = [sys.executable, "-m", "prefect"]
+SMALL = ["run.iterations=1", "data.prompts_per_iteration=2", "sampling.group_size=2", "sampling.max_new_tokens=8"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory, embedded_assets):
+    home = tmp_path_factory.mktemp("prefect-server")
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+    }
+    port = api.split(":")[-1].split("/")[0]
+    log = (home / "server.log").open("w")
+    server = subprocess.Popen(
+        [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", port],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group, so the whole server is stopped below
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield api, env
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def _prefect(env, *args, timeout=300) -> str:
+    result = subprocess.run([*PREFECT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"prefect {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def _deployments(api) -> dict[str, dict]:
+    found = httpx.post(f"{api}/deployments/filter", json={}).raise_for_status().json()
+    return {d["name"]: d for d in found}
+
+
+def _trigger(api, deployment: dict, parameters: dict) -> str:
+    url = f"{api}/deployments/{deployment['id']}/create_flow_run"
+    return httpx.post(url, json={"parameters": parameters}).raise_for_status().json()["id"]
+
+
+def _work_off(api, env, flow_run_ids: list[str]) -> None:
+    """Run process workers (one poll each) until every flow run is final; fail on any that did not complete."""
+    deadline = time.monotonic() + 480
+    states = {}
+    while time.monotonic() < deadline:
+        states = {i: httpx.get(f"{api}/flow_runs/{i}").raise_for_status().json()["state"]["type"] for i in flow_run_ids}
+        if all(s in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for s in states.values()):
+            break
+        _prefect(env, "worker", "start", "--pool", "redteam-grpo", "--run-once", "--limit", "4")
+    assert set(states.values()) == {"COMPLETED"}, states
+
+
+def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp_path):
+    api, env = prefect_server
+    _prefect(env, "work-pool", "create", "redteam-grpo", "--type", "process")
+    _prefect(env, "--no-prompt", "deploy", "--all")
+
+    deployments = _deployments(api)
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    assert set(deployments) == {d["name"] for d in spec} == {"red-team", "evaluation", "scheduled-retraining"}
+    for d in deployments.values():
+        assert d["work_pool_name"] == "redteam-grpo"
+        assert d["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+    (schedule,) = deployments["scheduled-retraining"]["schedules"]
+    assert schedule["schedule"]["cron"] == "0 3 * * 1" and schedule["active"]
+
+    runs = tmp_path / "runs"
+    attack = _trigger(
+        api, deployments["red-team"], {"overrides": [*SMALL, f"run.runs_dir={runs}", "run.run_id=deployed"]}
+    )
+    # The scheduled deployment's own parameters (config file relative to the project, lineage), plus overrides.
+    retrain = _trigger(
+        api,
+        deployments["scheduled-retraining"],
+        {
+            "lineage": "weekly",
+            "config_path": "configs/retrain-nightly.yaml",
+            "overrides": [*SMALL, f"run.runs_dir={runs}", "run.run_id=weekly-0"],
+        },
+    )
+    _work_off(api, env, [attack, retrain])
+
+    deployed = RunDir.open(runs / "deployed")
+    assert deployed.manifest()["status"] == "completed"
+    rollouts = schemas.read_table(deployed.stage_path(0, "sample"), schemas.ROLLOUTS)
+    scores = schemas.read_table(deployed.stage_path(0, "score"), schemas.SCORES)
+    assert rollouts.num_rows == scores.num_rows == 2 * 2
+    weekly = RunDir.open(runs / "weekly-0")
+    assert weekly.stored_config().run.name == "nightly"  # read from configs/retrain-nightly.yaml
+    assert read_lineage(weekly).lineage == "weekly" and weekly.manifest()["status"] == "completed"
+
+    evaluation = _trigger(
+        api,
+        deployments["evaluation"],
+        {"run_dir": str(weekly.root), "num_prompts": 2, "samples_per_prompt": 2},
+    )
+    _work_off(api, env, [evaluation])
+    table = pq.read_table(weekly.root / "eval" / "iter_0000.parquet")
+    assert table.num_rows == 2 * 2 * 2 and set(table.column("policy").to_pylist()) == {"base", "adapter"}
