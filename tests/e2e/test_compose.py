@@ -1,0 +1,78 @@
+"""docker-compose.yml is a valid Compose file (`docker compose config` / `docker-compose config`: no engine needed),
+wires the services together as documented, and refuses to start without its secrets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRETS = {"POSTGRES_PASSWORD": "db-secret", "REDTEAM_GRPO_REWARD_TOKEN": "reward-secret"}
+
+
+def _compose() -> list[str]:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if os.environ.get("REDTEAM_GRPO_REQUIRE_COMPOSE") == "1":  # CI installs it: never skip there
+        pytest.fail("neither `docker compose` nor `docker-compose` is installed")
+    pytest.skip("neither `docker compose` nor `docker-compose` is installed")
+
+
+def _config(*files: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    args = [*_compose(), *(a for f in files for a in ("-f", f)), "config"]
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    return subprocess.run(args, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=120)
+
+
+def _port(entry) -> str:
+    """A published port as host_ip:published:target (compose v1 prints strings, v2 mappings)."""
+    if isinstance(entry, str):
+        return entry.removesuffix("/tcp")
+    return f"{entry['host_ip']}:{entry['published']}:{entry['target']}"
+
+
+def test_compose_file_is_valid_and_wires_the_services():
+    result = _config("docker-compose.yml", env=SECRETS)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert set(services) == {"postgres", "prefect-server", "worker", "reward-server"}
+    server = services["prefect-server"]
+    assert server["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"].startswith(
+        "postgresql+asyncpg://prefect:db-secret@postgres:5432/"
+    )
+    assert [_port(p) for p in server["ports"]] == ["127.0.0.1:4200:4200"]
+    worker = services["worker"]
+    assert worker["environment"]["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+    assert "prefect --no-prompt deploy --all" in " ".join(worker["command"])
+    assert {str(v).split(":")[1] if isinstance(v, str) else v["target"] for v in worker["volumes"]} == {
+        "/app/runs",
+        "/cache",
+    }
+    assert "deploy" not in worker  # no GPU unless asked for
+    reward = services["reward-server"]
+    assert "ports" not in reward  # reachable from the worker only
+    assert reward["environment"]["REDTEAM_GRPO_REWARD_TOKEN"] == "reward-secret"
+    assert "0.0.0.0" in reward["command"] and "50050" in reward["command"]
+
+
+def test_the_gpu_override_reserves_a_gpu_for_the_worker_only():
+    result = _config("docker-compose.yml", "docker-compose.gpu.yml", env=SECRETS)
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    (device,) = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert all("deploy" not in s for name, s in services.items() if name != "worker")
+
+
+@pytest.mark.parametrize("missing", sorted(SECRETS))
+def test_a_missing_secret_is_named(missing):
+    result = _config("docker-compose.yml", env={k: v for k, v in SECRETS.items() if k != missing})
+    assert result.returncode != 0 and f"set {missing}" in result.stderr + result.stdout
