@@ -172,13 +172,14 @@ def infer(
 
 
 def _register_commands() -> None:
-    from redteam_grpo.cli.runs import export, inspect, report
+    from redteam_grpo.cli.runs import evaluate, export, inspect, report
     from redteam_grpo.cli.serve import serve_reward
 
     app.command("serve-reward")(serve_reward)
     app.command()(inspect)
     app.command()(export)
     app.command()(report)
+    app.command()(evaluate)
 
 
 _register_commands()

@@ -142,3 +142,15 @@ def test_report_has_a_plot_per_metric_and_the_examples_behind_a_warning(run_dir,
     assert all(f["svg"] == 1 and f["lines"] > 5 for f in page.figures.values()), page.figures
     assert {"content-warning", "examples"} <= page.ids
     assert "Content warning" in target.read_text()
+
+
+def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir):
+    code, out = _cli("evaluate", run_dir, "--prompts", "2", "--samples", "2")
+    assert code == 0, out
+    frame = pd.read_parquet(run_dir / "eval" / "iter_0001.parquet")
+    assert len(frame) == 2 * 2 * 2
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["adapter"])}
+    for policy in ("base", "adapter"):
+        assert float(rows[policy][1]) == pytest.approx(frame[frame.policy == policy].success.mean(), abs=1e-4)
+    code, out = _cli("evaluate", run_dir, "--iteration", "7")
+    assert code == 2 and "completed iterations: [0, 1]" in out
