@@ -9,10 +9,14 @@ where the verdict begins; the model then writes `safe`, or `unsafe` and a line o
 - categories come from greedy decoding of the verdict (up to `max_new_tokens`), parsed by `parse_verdict`.
 - the verdict tokens are checked at load time: `safe` and `unsafe` must begin with different tokens, else
   P(unsafe) would not be readable from one position.
+- a pair too long for `max_length` is shortened *before* rendering (the prompt to its first quarter of the
+  budget, the response to its first tokens), never by cutting the rendered text: that would drop the end of
+  the template (instruction and assistant header) and read P(unsafe) in the middle of the conversation.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 
@@ -21,7 +25,10 @@ import torch
 from redteam_grpo.core.policy import resolve_model_name
 from redteam_grpo.core.scorers import ModelInfo, ScorerError, TextScore, revision_of
 
+log = logging.getLogger(__name__)
+
 SAFE, UNSAFE = "safe", "unsafe"
+MIN_CONTENT_TOKENS = 16  # below this, a judge's max_length leaves no room to judge anything
 _CATEGORY_RE = re.compile(r"\bS\d{1,2}\b")
 
 
@@ -93,6 +100,34 @@ class SafetyJudgeScorer:
         conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
         return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
 
+    def _length(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _head(self, text: str, n_tokens: int) -> str:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.decode(ids[: max(n_tokens, 0)], skip_special_tokens=False)
+
+    def shorten(self, prompt: str, response: str) -> tuple[str, str, bool]:
+        """The pair cut so that its rendering fits `max_length` tokens, and whether it had to be cut."""
+        if self._length(self.render(prompt, response)) <= self.max_length:
+            return prompt, response, False
+        budget = self.max_length - self._length(self.render("", ""))
+        if budget < MIN_CONTENT_TOKENS:
+            raise ScorerError(
+                f"the judge's template alone takes {self.max_length - budget} tokens, leaving {budget} of "
+                f"max_length={self.max_length} for the conversation; raise reward.max_length"
+            )
+        prompt_tokens = min(self._length(prompt), budget // 4)
+        prompt = self._head(prompt, prompt_tokens)
+        response_tokens = budget - prompt_tokens
+        for _ in range(4):  # decode/encode may not round-trip exactly: shrink by the excess until it fits
+            head = self._head(response, response_tokens)
+            excess = self._length(self.render(prompt, head)) - self.max_length
+            if excess <= 0:
+                return prompt, head, True
+            response_tokens -= excess
+        raise ScorerError(f"could not fit a prompt/response pair into max_length={self.max_length} tokens")
+
     @torch.no_grad()
     def __call__(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
         if len(prompts) != len(completions):
@@ -103,12 +138,13 @@ class SafetyJudgeScorer:
         out: list[TextScore] = []
         for start in range(0, len(completions), self.batch_size):
             end = start + self.batch_size
-            texts = [self.render(p, c) for p, c in zip(prompts[start:end], completions[start:end], strict=True)]
+            fitted = [self.shorten(p, c) for p, c in zip(prompts[start:end], completions[start:end], strict=True)]
+            texts = [self.render(p, c) for p, c, _ in fitted]
+            if shortened := sum(cut for _, _, cut in fitted):
+                log.warning("%d pairs were longer than max_length=%d and were shortened", shortened, self.max_length)
             enc = self.tokenizer(
                 texts,
                 padding=True,
-                truncation=True,
-                max_length=self.max_length,
                 add_special_tokens=False,  # the template already holds any BOS
                 return_tensors="pt",
             ).to(self.device)
