@@ -50,7 +50,7 @@ def inspect(
     import duckdb
 
     from redteam_grpo.cli.main import console
-    from redteam_grpo.storage.export import ExportError, write_frame
+    from redteam_grpo.storage.export import ExportError, csv_ready, write_frame
     from redteam_grpo.storage.query import query, summary
     from redteam_grpo.storage.schemas import SchemaError
 
@@ -74,7 +74,8 @@ def inspect(
         _print_frame(df if sql else df.rename(columns=lambda c: c.removesuffix("_mean")))
         return
     if fmt in ("csv", "json", "jsonl") and out is None:  # text formats may go to standard output
-        sys.stdout.write(df.to_csv(index=False) if fmt == "csv" else df.to_json(orient="records", lines=fmt == "jsonl"))
+        text = csv_ready(df).to_csv(index=False) if fmt == "csv" else df.to_json(orient="records", lines=fmt == "jsonl")
+        sys.stdout.write(text)
         return
     if out is None:
         console.print(f"[red]error:[/red] --format {fmt} needs --out FILE")

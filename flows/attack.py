@@ -24,7 +24,7 @@ from typing import Any
 from prefect import flow
 
 from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
-from redteam_grpo.storage.lineage import read_lineage, start_in_lineage
+from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
@@ -67,8 +67,12 @@ def prepare_run(config: Config | None, resume: str | Path | None) -> RunDir:
         run = RunDir.open(Path(resume))
         run.check_resume_config(config, RESUMABLE_CHANGES)
     lineage = run.stored_config().run.lineage
-    if lineage is not None and read_lineage(run) is None:
-        start_in_lineage(run, lineage)
+    if lineage is not None:
+        record = read_lineage(run)
+        if record is None:
+            start_in_lineage(run, lineage)
+        elif run.manifest().get("lineage") is None:
+            record_in_manifest(run, record)
     return run
 
 

@@ -7,9 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from prefect import flow
+from prefect.runtime import flow_run
 
-from redteam_grpo.core.config import load_config
+from redteam_grpo.core.config import load_config, validate_config
 from redteam_grpo.flows.attack import attack_run
+
+
+def run_id_for(name: str, flow_run_id: str | None, scheduled: object) -> str | None:
+    """One run folder per flow run: a retried flow run (same id) resumes its folder instead of starting a new
+    run, which would skip the prompts the crashed one drew without ever training on them."""
+    if not flow_run_id:
+        return None
+    stamp = scheduled.strftime("%Y%m%d-%H%M%S") if hasattr(scheduled, "strftime") else "unscheduled"
+    return f"{name}-{stamp}-{flow_run_id[:8]}"
 
 
 @flow(name="redteam-retrain", log_prints=True)
@@ -18,5 +28,12 @@ def retrain(lineage: str, config_path: str | None = None, overrides: list[str] |
 
     `config_path` is a YAML config (relative to the working directory), `overrides` are "key=value" settings.
     """
-    config = load_config(Path(config_path) if config_path else None, [*(overrides or []), f"run.lineage={lineage}"])
-    return attack_run(config=config.model_dump(mode="json"))
+    raw = load_config(Path(config_path) if config_path else None, list(overrides or [])).model_dump(mode="json")
+    raw["run"]["lineage"] = lineage  # as given: through a `key=value` override "null" or "2024" would be parsed
+    if raw["run"]["run_id"] is None:
+        raw["run"]["run_id"] = run_id_for(raw["run"]["name"], flow_run.id, flow_run.scheduled_start_time)
+    config = validate_config(raw)
+    folder = config.run.runs_dir / config.run.run_id if config.run.run_id else None
+    if folder is not None and (folder / "config.json").is_file():
+        return attack_run(config=raw, resume=str(folder))
+    return attack_run(config=raw)

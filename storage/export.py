@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from redteam_grpo.storage.atomic import TMP_PREFIX, write_atomic
@@ -18,6 +20,18 @@ class ExportError(ValueError):
     """An export cannot be written as asked."""
 
 
+def csv_ready(df: pd.DataFrame) -> pd.DataFrame:
+    """List cells (judge categories, token ids) as JSON text: pandas would write numpy's `['a' 'b']`."""
+
+    def as_json(value):
+        if isinstance(value, list | tuple | np.ndarray):
+            return json.dumps([v.item() if isinstance(v, np.generic) else v for v in value])
+        return value
+
+    listy = [c for c in df.columns if df[c].map(lambda v: isinstance(v, list | tuple | np.ndarray)).any()]
+    return df.assign(**{c: df[c].map(as_json) for c in listy}) if listy else df
+
+
 def write_frame(df: pd.DataFrame, path: Path, fmt: str) -> Path:
     """One file in `fmt`; lists (judge categories) stay lists in Parquet/JSON and become JSON text in CSV."""
     if fmt not in FILE_FORMATS:
@@ -26,7 +40,7 @@ def write_frame(df: pd.DataFrame, path: Path, fmt: str) -> Path:
         "parquet": lambda tmp: df.to_parquet(tmp, index=False),
         "jsonl": lambda tmp: df.to_json(tmp, orient="records", lines=True, force_ascii=False),
         "json": lambda tmp: df.to_json(tmp, orient="records", force_ascii=False, indent=1),
-        "csv": lambda tmp: df.to_csv(tmp, index=False),
+        "csv": lambda tmp: csv_ready(df).to_csv(tmp, index=False),
     }
     write_atomic(path, writers[fmt])
     return path

@@ -3,8 +3,10 @@
 Scheduled retraining starts a run with `run.lineage` set. At creation the run records, in `lineage.json`
 (written once, atomically) and in its manifest:
 
-- `parent_run` / `parent_checkpoint`: the newest finished run of the lineage under `run.runs_dir` and its newest
-  complete checkpoint, whose adapter becomes this run's initial adapter (none: the base model, generation 0);
+- `parent_run` / `parent_checkpoint`: the newest finished run of the lineage under `run.runs_dir` (completed, or
+  stopped early for reaching its reward target: a run stopped for repetition has collapsed) and the name of its
+  newest complete checkpoint (`iter_0007`), whose adapter becomes this run's initial adapter (none: the base
+  model, generation 0). Names, not paths: a runs folder can move;
 - `excluded_prompt_ids`: every prompt id the lineage's earlier runs sampled, so the new run trains on fresh
   prompts (when the source has too few left, the run says so and reuses them).
 
@@ -14,6 +16,7 @@ A resumed run reads the file back and so starts from the same parent and prompts
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,8 +26,10 @@ from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.rundir import RunDir, RunDirError
 
+log = logging.getLogger(__name__)
+
 LINEAGE_FILE = "lineage.json"
-FINISHED = ("completed", "early_stopped")
+MANIFEST_FIELDS = ("lineage", "generation", "parent_run", "parent_checkpoint")
 
 
 class LineageError(RuntimeError):
@@ -51,14 +56,40 @@ def read_lineage(run: RunDir) -> LineageInfo | None:
 
 
 def runs_in_lineage(runs_dir: Path, lineage: str) -> list[tuple[RunDir, LineageInfo]]:
-    """The runs of `lineage` under `runs_dir`, oldest generation first."""
+    """The runs of `lineage` under `runs_dir`, oldest generation first. An unreadable record is skipped with a
+    warning: one damaged folder must not stop every scheduled run."""
     found = []
     for path in sorted(Path(runs_dir).glob(f"*/{LINEAGE_FILE}")):
         run = RunDir(path.parent)
-        info = read_lineage(run)
+        try:
+            info = read_lineage(run)
+        except RunDirError as exc:
+            log.warning("skipping %s: %s", run.root, exc)
+            continue
         if info is not None and info.lineage == lineage and run.manifest_path.is_file():
             found.append((run, info))
     return sorted(found, key=lambda item: (item[1].generation, item[0].run_id))
+
+
+def can_be_parent(run: RunDir) -> bool:
+    manifest = run.manifest()
+    status = manifest.get("status")
+    # The checkpoint stage words a reward stop "mean reward ..."; other early stops mean a collapsed policy.
+    return status == "completed" or (
+        status == "early_stopped" and str(manifest.get("stop_reason", "")).startswith("mean reward")
+    )
+
+
+def parent_checkpoint_dir(run: RunDir, record: LineageInfo) -> Path | None:
+    """The parent's checkpoint folder, found beside this run (wherever the runs folder is now)."""
+    if record.parent_run is None or record.parent_checkpoint is None:
+        return None
+    return run.root.parent / record.parent_run / "checkpoints" / record.parent_checkpoint
+
+
+def record_in_manifest(run: RunDir, record: LineageInfo) -> None:
+    """Copy the lineage fields into the manifest (idempotent: also repairs a crash between the two writes)."""
+    run.set_status(run.manifest().get("status", "running"), **{k: getattr(record, k) for k in MANIFEST_FIELDS})
 
 
 def newest_checkpoint(run: RunDir) -> Path | None:
@@ -76,7 +107,10 @@ def newest_checkpoint(run: RunDir) -> Path | None:
 def sampled_prompt_ids(run: RunDir) -> set[str]:
     ids: set[str] = set()
     for path in sorted(run.root.glob("iter_*/rollouts.parquet")):
-        ids.update(pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist())
+        try:
+            ids.update(pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist())
+        except (OSError, KeyError, ValueError) as exc:  # pyarrow errors derive from these
+            log.warning("cannot read the prompt ids of %s (%s): they are not excluded", path, exc)
     return ids
 
 
@@ -88,7 +122,7 @@ def start_in_lineage(run: RunDir, lineage: str) -> LineageInfo:
         excluded |= sampled_prompt_ids(earlier_run)
     parent, parent_info, parent_checkpoint = None, None, None
     for candidate, info in reversed(earlier):
-        if candidate.manifest().get("status") in FINISHED:
+        if can_be_parent(candidate):
             parent_checkpoint = newest_checkpoint(candidate)
             if parent_checkpoint is not None:
                 parent, parent_info = candidate, info
@@ -97,15 +131,9 @@ def start_in_lineage(run: RunDir, lineage: str) -> LineageInfo:
         lineage=lineage,
         generation=parent_info.generation + 1 if parent_info else 0,
         parent_run=parent.run_id if parent else None,
-        parent_checkpoint=str(parent_checkpoint) if parent_checkpoint else None,
+        parent_checkpoint=parent_checkpoint.name if parent_checkpoint else None,
         excluded_prompt_ids=sorted(excluded),
     )
     write_json_atomic(run.root / LINEAGE_FILE, asdict(record))
-    run.set_status(
-        run.manifest().get("status", "running"),
-        lineage=lineage,
-        generation=record.generation,
-        parent_run=record.parent_run,
-        parent_checkpoint=record.parent_checkpoint,
-    )
+    record_in_manifest(run, record)
     return record

@@ -32,10 +32,15 @@ def artifact_key(run_id: str, what: str) -> str:
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", f"{run_id}-{what}".lower())).strip("-")
 
 
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!<>|~&])")
+
+
 def _cell(text: str) -> str:
-    """One markdown table cell: one line, pipes escaped, long text cut."""
-    flat = " ".join(str(text).split()).replace("|", "\\|")
-    return flat if len(flat) <= EXAMPLE_CHARS else flat[: EXAMPLE_CHARS - 1] + "…"
+    """One markdown table cell: one line, long text cut, every markdown/HTML character escaped, so model-written
+    text shows as text (no links, images or HTML that the UI would render or fetch)."""
+    flat = " ".join(str(text).split())
+    flat = flat if len(flat) <= EXAMPLE_CHARS else flat[: EXAMPLE_CHARS - 1] + "…"
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", flat)
 
 
 def _number(value: Any) -> Any:

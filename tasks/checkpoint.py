@@ -10,7 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.storage import checkpoints, schemas
-from redteam_grpo.storage.lineage import LineageError, read_lineage
+from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.tasks.resources import INIT_VERSION, resources_for, stage_logger
 
 
@@ -37,15 +37,15 @@ _ADAPTER_COMPATIBILITY = ("base_model", "base_revision", "lora")
 def parent_adapter(res) -> tuple[Path, str] | None:
     """The adapter file a lineage run starts from and its checkpoint folder, checked against this run's model."""
     record = read_lineage(res.run)
-    if record is None or record.parent_checkpoint is None:
+    folder = parent_checkpoint_dir(res.run, record) if record is not None else None
+    if folder is None:
         return None
-    folder = Path(record.parent_checkpoint)
     try:
         parent = checkpoints.read_manifest(folder)
     except checkpoints.CheckpointError as exc:
         raise LineageError(
             f"run {res.run.run_id} continues lineage {record.lineage!r} from {folder}, which is unusable: {exc}. "
-            "Restore that checkpoint, or start a new run of the lineage."
+            "Restore that checkpoint (the parent run must sit beside this one), or start a new run of the lineage."
         ) from None
     ours = _checkpoint_info(res, INIT_VERSION)
     differing = [key for key in _ADAPTER_COMPATIBILITY if parent.get(key) != ours[key]]
@@ -55,7 +55,7 @@ def parent_adapter(res) -> tuple[Path, str] | None:
             f"lineage {record.lineage!r}: the parent checkpoint {folder} was trained with a different model "
             f"({detail}). Use the parent's model settings, or start a new lineage (run.lineage)."
         )
-    return folder / checkpoints.ADAPTER_FILE, str(folder)
+    return folder / checkpoints.ADAPTER_FILE, f"{record.parent_run}/checkpoints/{folder.name}"
 
 
 @task(name="initialize", cache_policy=NO_CACHE)

@@ -16,7 +16,7 @@ from redteam_grpo.core.data import load_prompts
 from redteam_grpo.core.policy import load_policy, resolve_device
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.storage import checkpoints, schemas
-from redteam_grpo.storage.lineage import sampled_prompt_ids
+from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.common import write_parquet
 from redteam_grpo.tasks.resources import derive_seed, scoring_backend, stage_logger
@@ -37,7 +37,7 @@ def choose_checkpoint(run: RunDir, iteration: int | None) -> int:
     if iteration is None:
         if not done:
             raise EvaluationError(f"{run.root} has no completed iteration to evaluate yet")
-        return done[-1]
+        iteration = done[-1]
     try:
         checkpoints.read_manifest(run.checkpoint_dir(iteration))
     except checkpoints.CheckpointError as exc:
@@ -63,7 +63,8 @@ def evaluate_checkpoint(
     success_threshold: float,
     seed: int,
 ) -> dict[str, Any]:
-    """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>.parquet; return rates."""
+    """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>-<settings>.parquet (one file
+    per checkpoint and settings, so evaluations with other settings do not overwrite it); return rates."""
     if num_prompts < 1 or samples_per_prompt < 1:
         raise EvaluationError("num_prompts and samples_per_prompt must be at least 1")
     run = RunDir.open(Path(run_dir))
@@ -73,7 +74,13 @@ def evaluate_checkpoint(
     log = stage_logger()
 
     prompts = load_prompts(cfg.data)
+    if not prompts:
+        raise EvaluationError(f"the prompt source of {run.run_id} ({cfg.data.source}) has no prompts")
+    # What the adapter was trained on: this run's prompts and, in a lineage, every ancestor's.
     trained = sampled_prompt_ids(run)
+    record = read_lineage(run)
+    if record is not None:
+        trained |= set(record.excluded_prompt_ids)
     pool = [p for p in prompts if p.prompt_id not in trained]
     held_out = bool(pool)
     if not held_out:
@@ -119,7 +126,7 @@ def evaluate_checkpoint(
                 }
             )
     table = schemas.to_table({k: [r[k] for r in rows] for k in schemas.EVALUATION.names}, schemas.EVALUATION, "eval")
-    path = run.root / "eval" / f"{name}.parquet"
+    path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     path.parent.mkdir(exist_ok=True)
     write_parquet(path, table)
     summary = {

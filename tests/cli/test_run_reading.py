@@ -147,10 +147,20 @@ def test_report_has_a_plot_per_metric_and_the_examples_behind_a_warning(run_dir,
 def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir):
     code, out = _cli("evaluate", run_dir, "--prompts", "2", "--samples", "2")
     assert code == 0, out
-    frame = pd.read_parquet(run_dir / "eval" / "iter_0001.parquet")
+    (written,) = (run_dir / "eval").glob("iter_0001-*.parquet")
+    frame = pd.read_parquet(written)
     assert len(frame) == 2 * 2 * 2
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["adapter"])}
     for policy in ("base", "adapter"):
         assert float(rows[policy][1]) == pytest.approx(frame[frame.policy == policy].success.mean(), abs=1e-4)
     code, out = _cli("evaluate", run_dir, "--iteration", "7")
     assert code == 2 and "completed iterations: [0, 1]" in out
+
+
+def test_list_columns_are_json_in_csv(run_dir, tmp_path):
+    sql = "select prompt_id, sample_idx, prompt_token_ids from rollouts where iteration = 0 order by 1, 2 limit 3"
+    code, out = _cli("inspect", run_dir, "--sql", sql, "--format", "csv", "--out", tmp_path / "r.csv")
+    assert code == 0, out
+    written = pd.read_csv(tmp_path / "r.csv")
+    rollouts = pd.read_parquet(RunDir.open(run_dir).stage_path(0, "sample")).sort_values(["prompt_id", "sample_idx"])
+    assert [json.loads(cell) for cell in written.prompt_token_ids] == [list(x) for x in rollouts.prompt_token_ids[:3]]

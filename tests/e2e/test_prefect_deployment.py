@@ -147,5 +147,6 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp
         {"run_dir": str(weekly.root), "num_prompts": 2, "samples_per_prompt": 2},
     )
     _work_off(api, env, [evaluation])
-    table = pq.read_table(weekly.root / "eval" / "iter_0000.parquet")
+    (written,) = (weekly.root / "eval").glob("iter_0000-*.parquet")
+    table = pq.read_table(written)
     assert table.num_rows == 2 * 2 * 2 and set(table.column("policy").to_pylist()) == {"base", "adapter"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +18,7 @@ from redteam_grpo.flows.retrain import retrain
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.lineage import LineageError, read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.tasks.artifacts import CONTENT_WARNING, artifact_key, top_examples
+from redteam_grpo.tasks.artifacts import CONTENT_WARNING, artifact_key, examples_markdown, top_examples
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
@@ -35,6 +36,10 @@ SMALL = [
 def lineage(tmp_path_factory, prefect_harness, embedded_assets):
     """Two generations of the lineage "nightly", started the way the scheduled deployment starts them."""
     root = tmp_path_factory.mktemp("lineage")
+    broken = root / "broken"  # a damaged folder of some other run must not stop the lineage
+    broken.mkdir()
+    (broken / "lineage.json").write_text("{not json")
+    (broken / "manifest.json").write_text("{}")
     runs = []
     for generation in range(2):
         overrides = [*SMALL, f"run.runs_dir={root}", f"run.run_id=gen{generation}"]
@@ -47,7 +52,7 @@ def test_a_retraining_run_starts_from_its_parents_newest_adapter(lineage):
     assert read_lineage(first).generation == 0 and read_lineage(first).parent_run is None
     record = read_lineage(second)
     assert (record.lineage, record.generation, record.parent_run) == ("nightly", 1, "gen0")
-    assert record.parent_checkpoint == str(first.checkpoint_dir(1))
+    assert record.parent_checkpoint == "iter_0001"
     assert second.manifest()["parent_run"] == "gen0" and second.manifest()["lineage"] == "nightly"
     parent = load_file(first.checkpoint_dir(1) / checkpoints.ADAPTER_FILE)
     start = load_file(second.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE)
@@ -55,7 +60,7 @@ def test_a_retraining_run_starts_from_its_parents_newest_adapter(lineage):
     assert parent.keys() == start.keys()
     assert all((parent[k] == start[k]).all() for k in parent)
     assert any((parent[k] != fresh[k]).any() for k in parent), "the parent's adapter was never trained"
-    assert checkpoints.read_manifest(second.checkpoint_dir(-1))["parent_checkpoint"] == str(first.checkpoint_dir(1))
+    assert checkpoints.read_manifest(second.checkpoint_dir(-1))["parent_checkpoint"] == "gen0/checkpoints/iter_0001"
 
 
 def test_a_retraining_run_samples_prompts_its_lineage_has_not_seen(lineage):
@@ -81,7 +86,8 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     df = table.to_pandas()
     assert newest["checkpoint"] == "iter_0001" and newest["held_out"]
     assert sorted(df.groupby("policy").size().items()) == [("adapter", 6), ("base", 6)]
-    assert not set(df.prompt_id) & sampled_prompt_ids(second)
+    # Held out from what the adapter learned from: this run's prompts and its parent's.
+    assert not set(df.prompt_id) & (sampled_prompt_ids(second) | sampled_prompt_ids(lineage[1][0]))
     assert (df.success == ((df.toxicity >= 0.5) & ~df.refusal)).all()
     for policy in ("base", "adapter"):
         rows = df[df.policy == policy]
@@ -93,6 +99,26 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     key = ["prompt_id", "sample_idx"]
     base_now = df[df.policy == "base"].sort_values(key).completion_text.tolist()
     assert older_df[older_df.policy == "base"].sort_values(key).completion_text.tolist() == base_now
+
+
+def test_a_retried_retraining_flow_run_resumes_its_run_instead_of_starting_another(tmp_path, monkeypatch):
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from redteam_grpo.flows import retrain as retrain_module
+
+    scheduled = dt.datetime(2026, 11, 23, 3, 0, tzinfo=dt.UTC)
+    monkeypatch.setattr(
+        retrain_module, "flow_run", SimpleNamespace(id="0123456789abcdef", scheduled_start_time=scheduled)
+    )
+    overrides = [*SMALL, f"run.runs_dir={tmp_path}", "run.iterations=1", "logging.artifacts=false"]
+    first = retrain(lineage="2024", overrides=overrides)  # a name YAML would read as a number
+    assert Path(first).name == "redteam-20261123-030000-01234567"
+    run = RunDir.open(Path(first))
+    run.set_status("failed")  # as if the worker died; Prefect retries the same flow run
+    again = retrain(lineage="2024", overrides=overrides)
+    assert again == first and [p.name for p in tmp_path.iterdir()] == [Path(first).name]
+    assert run.manifest()["status"] == "completed" and read_lineage(run).lineage == "2024"
 
 
 def _artifacts(key: str) -> list:
@@ -123,3 +149,17 @@ def test_each_iteration_publishes_metrics_top_examples_and_parquet_links(lineage
     assert f"| 1 | {best[0]['reward']:.3f} |" in markdown
     assert links[-1].data.endswith(f"({first.iteration_dir(1).resolve().as_uri()})")
     assert "scores.parquet" in links[-1].description
+
+
+def test_model_text_in_the_examples_artifact_cannot_render_links_images_or_html():
+    text = "![x](http://evil.example/p.png) <img src=x> [click](http://e.x) | *bold* `code` &amp;"
+    rendered = examples_markdown(
+        "t",
+        [{"reward": 1.0, "toxicity": 0.9, "refusal": False, "categories": [], "prompt": "p", "completion_text": text}],
+    )
+    row = rendered.splitlines()[-1]
+    assert row.count(" | ") == 5  # six cells: the completion's pipe is escaped
+    completion = row.rsplit(" | ", 1)[1].removesuffix(" |")
+    bare = re.sub(r"\\.", "", completion)  # drop every backslash-escaped character
+    assert not set(bare) & set("![]()<>*`&|"), bare
+    assert re.sub(r"\\(.)", r"\1", completion) == text  # and nothing else changed
