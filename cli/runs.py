@@ -12,6 +12,19 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+# Short headers, so the summary fits 80 columns.
+SUMMARY_HEADERS = {
+    "iteration": "iter",
+    "reward_mean": "reward",
+    "toxicity_mean": "tox",
+    "repetition_mean": "rep",
+    "kl_mean": "KL",
+    "ratio_mean": "ratio",
+    "entropy": "ent",
+    "length_mean": "len",
+    "refusal_rate": "refus",
+    "novelty_mean": "nov",
+}
 RunArg = Annotated[Path, typer.Argument(help="Run directory (runs/<run-id>).")]
 
 
@@ -26,12 +39,18 @@ def _open(run_dir: Path):
         raise typer.Exit(2) from None
 
 
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return ""
+    return f"{value:.1e}" if 0 < abs(value) < 0.01 else f"{value:.3g}"
+
+
 def _print_frame(df, title: str | None = None) -> None:
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for column in df.columns:
         table.add_column(str(column), justify="right" if df[column].dtype.kind in "fiu" else "left")
     for row in df.itertuples(index=False):
-        table.add_row(*(("" if math.isnan(v) else f"{v:.4f}") if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*(_number(v) if isinstance(v, float) else str(v) for v in row))
     Console().print(table)
 
 
@@ -71,7 +90,7 @@ def inspect(
                 + (f", lineage {manifest['lineage']}" if manifest.get("lineage") else "")
                 + (f", parent {manifest['parent_run']}" if manifest.get("parent_run") else "")
             )
-        _print_frame(df if sql else df.rename(columns=lambda c: c.removesuffix("_mean")))
+        _print_frame(df if sql else df.rename(columns=SUMMARY_HEADERS))
         return
     if fmt in ("csv", "json", "jsonl") and out is None:  # text formats may go to standard output
         text = csv_ready(df).to_csv(index=False) if fmt == "csv" else df.to_json(orient="records", lines=fmt == "jsonl")
