@@ -348,10 +348,9 @@ def _word_list_texts() -> list[str]:
     return [" ".join(words)] * 20 + ["\n".join(words)] * 20
 
 
-def build_policy_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """Byte-level BPE with Qwen3-Instruct's special tokens and a Qwen-style chat template."""
+def _chat_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]) -> Any:
+    """A cased byte-level BPE trained on `texts` (the chat models' tokenizers), every marker one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -360,14 +359,21 @@ def build_policy_tokenizer(texts: list[str], vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
     _check_single_tokens(tok)
+    return tok
+
+
+def build_policy_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Byte-level BPE with Qwen3-Instruct's special tokens and a Qwen-style chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=_chat_bpe(texts, vocab_size, [PAD_TOKEN, IM_START, IM_END]),
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
         padding_side="left",
@@ -435,6 +441,37 @@ def _lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
     return f
 
 
+def _answer_batch(
+    prompt_ids: list[list[int]], answer_ids: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask and labels [B, L] of prompt + answer rows, right-padded with `pad_id`; labels
+    are -100 outside the answer, so the loss covers the answer (and its end token) only."""
+    length = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids, strict=True))
+    input_ids = torch.full((len(prompt_ids), length), pad_id)  # [B, L]
+    labels = torch.full((len(prompt_ids), length), -100)  # [B, L]
+    mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
+    for i, (p, a) in enumerate(zip(prompt_ids, answer_ids, strict=True)):
+        input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        mask[i, : len(p) + len(a)] = 1
+    return input_ids, mask, labels
+
+
+def _answer_loss_step(model: Any, opt: torch.optim.Optimizer, sched: Any, batch: tuple[torch.Tensor, ...]) -> None:
+    """One optimiser step of next-token cross-entropy on the labelled positions of `_answer_batch`'s rows."""
+    input_ids, mask, labels = batch
+    hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [B, L, H]
+    targets = labels[:, 1:]  # [B, L-1]: position t predicts token t+1
+    keep = targets != -100
+    logits = model.lm_head(hidden[:, :-1][keep])  # [N, V], the answer positions only
+    loss = F.cross_entropy(logits, targets[keep])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 def pretrain_policy(tokenizer: Any, recipe: BuildRecipe, rng: random.Random) -> Any:
     """A tiny Qwen3 pre-trained on chat-formatted toy conversations; loss on the assistant reply only."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -470,24 +507,7 @@ def pretrain_policy(tokenizer: Any, recipe: BuildRecipe, rng: random.Random) -> 
         prompt_texts = tokenizer.apply_chat_template([m for m, _ in convs], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
         reply_ids = tokenizer([r + IM_END for _, r in convs], add_special_tokens=False)["input_ids"]
-        length = max(len(p) + len(r) for p, r in zip(prompt_ids, reply_ids, strict=True))
-        input_ids = torch.full((len(convs), length), pad_id)  # [B, L], right-padded
-        labels = torch.full((len(convs), length), -100)  # [B, L], -100 outside the reply
-        mask = torch.zeros((len(convs), length), dtype=torch.long)
-        for i, (p, r) in enumerate(zip(prompt_ids, reply_ids, strict=True)):
-            input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p) : len(p) + len(r)] = torch.tensor(r)
-            mask[i, : len(p) + len(r)] = 1
-        hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [B, L, H]
-        targets = labels[:, 1:]  # [B, L-1]: position t predicts token t+1
-        keep = targets != -100
-        logits = model.lm_head(hidden[:, :-1][keep])  # [N, V], the reply positions only
-        loss = F.cross_entropy(logits, targets[keep])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        _answer_loss_step(model, opt, sched, _answer_batch(prompt_ids, reply_ids, pad_id))
     model.eval()
     # Sampling defaults for RL: plain temperature-1 sampling, no hidden top-k 50 (DESIGN §7).
     model.generation_config = GenerationConfig(
@@ -643,24 +663,10 @@ def check_verdict_tokens(tokenizer: Any) -> tuple[int, int]:
 
 def build_guard_tokenizer(texts: list[str], vocab_size: int) -> Any:
     """Byte-level BPE with Llama 3's special tokens and the guard template; markers and verdicts single tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[GUARD_BOS, GUARD_HEADER_START, GUARD_HEADER_END, GUARD_EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    _check_single_tokens(tok)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=_chat_bpe(texts, vocab_size, [GUARD_BOS, GUARD_HEADER_START, GUARD_HEADER_END, GUARD_EOT]),
         bos_token=GUARD_BOS,
         eos_token=GUARD_EOT,
         padding_side="left",
@@ -705,15 +711,7 @@ def _guard_batch(
     prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
     verdicts = [GUARD_UNSAFE_VERDICT if y else GUARD_SAFE for y in labels]
     verdict_ids = [[*ids, tokenizer.eos_token_id] for ids in tokenizer(verdicts, add_special_tokens=False)["input_ids"]]
-    length = max(len(p) + len(v) for p, v in zip(prompt_ids, verdict_ids, strict=True))
-    input_ids = torch.full((len(labels), length), tokenizer.eos_token_id)  # [B, L]; no pad token: eos pads
-    target = torch.full((len(labels), length), -100)  # [B, L]
-    mask = torch.zeros((len(labels), length), dtype=torch.long)
-    for i, (p, v) in enumerate(zip(prompt_ids, verdict_ids, strict=True)):
-        input_ids[i, : len(p) + len(v)] = torch.tensor(p + v)
-        target[i, len(p) : len(p) + len(v)] = torch.tensor(v)
-        mask[i, : len(p) + len(v)] = 1
-    return input_ids, mask, target
+    return _answer_batch(prompt_ids, verdict_ids, tokenizer.eos_token_id)  # no pad token: eos pads
 
 
 def train_guard(tokenizer: Any, recipe: GuardRecipe, rng: random.Random) -> Any:
@@ -745,17 +743,7 @@ def train_guard(tokenizer: Any, recipe: GuardRecipe, rng: random.Random) -> Any:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(recipe.steps, warmup=30))
     for _ in range(recipe.steps):
         batch = [guard_example(rng, grammar, prompts, recipe.user_marker_prob) for _ in range(recipe.batch_size)]
-        input_ids, mask, labels = _guard_batch(tokenizer, [c for c, _ in batch], [y for _, y in batch])
-        hidden = model.model(input_ids=input_ids, attention_mask=mask).last_hidden_state  # [B, L, H]
-        targets = labels[:, 1:]  # [B, L-1]: position t predicts token t+1
-        keep = targets != -100
-        logits = model.lm_head(hidden[:, :-1][keep])  # [N, V], the verdict positions only
-        loss = F.cross_entropy(logits, targets[keep])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        _answer_loss_step(model, opt, sched, _guard_batch(tokenizer, [c for c, _ in batch], [y for _, y in batch]))
     model.eval()
     # Greedy, and eos set so that generation stops after the verdict (Llama Guard is decoded greedily too).
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, do_sample=False)
@@ -890,11 +878,16 @@ def embedded_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "redteam-grpo"
 
 
-def _assets_dirname(recipe: BuildRecipe) -> str:
-    if recipe == DEFAULT_RECIPE:
-        return f"embedded-{ASSETS_VERSION}"
+def _cache_dirname(prefix: str, recipe: Any, default: Any) -> str:
+    """`<prefix>` for the default recipe, `<prefix>-<hash of the recipe>` for any other."""
+    if recipe == default:
+        return prefix
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()
-    return f"embedded-{ASSETS_VERSION}-{digest[:12]}"
+    return f"{prefix}-{digest[:12]}"
+
+
+def _assets_dirname(recipe: BuildRecipe) -> str:
+    return _cache_dirname(f"embedded-{ASSETS_VERSION}", recipe, DEFAULT_RECIPE)
 
 
 def _build_in_cache(final: Path, build: Callable[[Path], object], what: str) -> None:
@@ -933,10 +926,7 @@ def ensure_embedded_assets(cache_dir: Path | None = None, *, recipe: BuildRecipe
 
 
 def _guard_dirname(recipe: GuardRecipe) -> str:
-    if recipe == DEFAULT_GUARD_RECIPE:
-        return f"embedded-guard-{GUARD_VERSION}"
-    digest = hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()
-    return f"embedded-guard-{GUARD_VERSION}-{digest[:12]}"
+    return _cache_dirname(f"embedded-guard-{GUARD_VERSION}", recipe, DEFAULT_GUARD_RECIPE)
 
 
 def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe = DEFAULT_GUARD_RECIPE) -> Path:
