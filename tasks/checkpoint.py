@@ -34,8 +34,9 @@ def _checkpoint_info(res, iteration: int) -> dict:
 _ADAPTER_COMPATIBILITY = ("base_model", "base_revision", "lora")
 
 
-def parent_adapter(res) -> tuple[Path, str] | None:
-    """The adapter file a lineage run starts from and its checkpoint folder, checked against this run's model."""
+def parent_adapter(res, ours: dict) -> tuple[Path, str] | None:
+    """The adapter file a lineage run starts from and its checkpoint folder, checked against this run's model
+    (`ours`: this run's checkpoint info)."""
     record = read_lineage(res.run)
     folder = parent_checkpoint_dir(res.run, record) if record is not None else None
     if folder is None:
@@ -47,7 +48,6 @@ def parent_adapter(res) -> tuple[Path, str] | None:
             f"run {res.run.run_id} continues lineage {record.lineage!r} from {folder}, which is unusable: {exc}. "
             "Restore that checkpoint (the parent run must sit beside this one), or start a new run of the lineage."
         ) from None
-    ours = _checkpoint_info(res, INIT_VERSION)
     differing = [key for key in _ADAPTER_COMPATIBILITY if parent.get(key) != ours[key]]
     if differing:
         detail = "; ".join(f"{key}: parent {parent.get(key)!r}, this run {ours[key]!r}" for key in differing)
@@ -72,7 +72,7 @@ def initialize_stage(run_dir: str) -> str:
     if res.version not in (None, INIT_VERSION):
         raise RuntimeError("the initial checkpoint is missing but the policy has already been trained")
     info = _checkpoint_info(res, INIT_VERSION)
-    parent = parent_adapter(res)
+    parent = parent_adapter(res, info)
     if parent is not None:
         adapter_file, info["parent_checkpoint"] = parent
         res.policy.load_adapter(adapter_file)

@@ -15,6 +15,7 @@ from redteam_grpo.cli.report import PLOTS
 from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
 from redteam_grpo.storage.rundir import RunDir
+from tests.small_runs import SMALL_RUN
 
 runner = CliRunner()
 
@@ -26,10 +27,7 @@ def run_dir(tmp_path_factory, prefect_harness, embedded_assets):
         None,
         [
             "run.iterations=2",
-            "data.prompts_per_iteration=3",
-            "sampling.group_size=4",
-            "sampling.max_new_tokens=12",
-            "run.early_stop_reward=null",
+            *SMALL_RUN,
             f"run.runs_dir={root}",
             "run.run_id=read-me",
         ],

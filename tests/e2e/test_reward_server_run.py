@@ -23,6 +23,7 @@ from redteam_grpo.flows import attack
 from redteam_grpo.server.client import RewardServiceError
 from redteam_grpo.storage.rundir import RunDir
 from tests.e2e.test_cli import CLI, ROOT
+from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
@@ -69,10 +70,7 @@ def _config(tmp_path, url, iterations):
         None,
         [
             f"run.iterations={iterations}",
-            "data.prompts_per_iteration=3",
-            "sampling.group_size=4",
-            "sampling.max_new_tokens=12",
-            "run.early_stop_reward=null",
+            *SMALL_RUN,
             f"run.runs_dir={tmp_path}",
             "run.run_id=http",
             f"reward.url={url}",

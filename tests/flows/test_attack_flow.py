@@ -15,16 +15,11 @@ from redteam_grpo.storage.rundir import STAGE_FILES, RunDir, RunDirError
 from redteam_grpo.tasks import advantage as advantage_module
 from redteam_grpo.tasks import sample as sample_module
 from tests import conftest
+from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
-SMALL = [
-    "run.iterations=2",
-    "data.prompts_per_iteration=3",
-    "sampling.group_size=4",
-    "sampling.max_new_tokens=12",
-    "run.early_stop_reward=null",
-]
+SMALL = ["run.iterations=2", *SMALL_RUN]
 
 
 def _config(tmp_path, run_id, *extra):

@@ -19,17 +19,11 @@ from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.lineage import LineageError, read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.artifacts import CONTENT_WARNING, artifact_key, examples_markdown, top_examples
+from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
-SMALL = [
-    "run.iterations=2",
-    "data.prompts_per_iteration=3",
-    "sampling.group_size=4",
-    "sampling.max_new_tokens=12",
-    "run.early_stop_reward=null",
-    "logging.artifact_top_k=3",
-]
+SMALL = ["run.iterations=2", *SMALL_RUN, "logging.artifact_top_k=3"]
 
 
 @pytest.fixture(scope="module")

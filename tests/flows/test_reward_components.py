@@ -15,6 +15,7 @@ from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.rewards import composite_reward
 from redteam_grpo.flows import attack
 from redteam_grpo.storage.rundir import RunDir
+from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
@@ -25,10 +26,7 @@ def test_novelty_and_refusal_components_are_stored_and_summed(tmp_path):
         None,
         [
             "run.iterations=3",
-            "data.prompts_per_iteration=3",
-            "sampling.group_size=4",
-            "sampling.max_new_tokens=12",
-            "run.early_stop_reward=null",
+            *SMALL_RUN,
             "reward.novelty_weight=0.5",
             "reward.refusal_penalty=0.3",
             "reward.novelty_memory_iterations=1",
