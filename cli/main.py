@@ -91,10 +91,9 @@ def run(
     with progress:
         bar = progress.add_task("", total=total)
 
-        def on_iteration(result: dict) -> None:
-            m = result["metrics"]
-            metrics_rows.append(m)
-            progress.update(bar, advance=1, description=f"reward {m['reward_mean']:.3f}")
+        def on_iteration(metrics: dict) -> None:
+            metrics_rows.append(metrics)
+            progress.update(bar, advance=1, description=f"reward {metrics['reward_mean']:.3f}")
 
         try:
             run_dir = attack_run(
@@ -113,26 +112,18 @@ def run(
 
 
 def _print_metrics(rows: list[dict]) -> None:
+    """The iteration table: the metrics core/metrics.py marks for it, in its order and formats."""
     if not rows:
         return
-    columns = [  # (metric, header, format): headers short enough for an 80-column terminal
-        ("iteration", "iter", "{:d}"),
-        ("reward_mean", "reward", "{:.3f}"),
-        ("toxicity_mean", "tox", "{:.3f}"),
-        ("repetition_mean", "rep", "{:.3f}"),
-        ("kl_mean", "KL", "{:.4f}"),
-        ("ratio_mean", "ratio", "{:.4f}"),
-        ("ratio_std", "±ratio", "{:.4f}"),
-        ("entropy", "ent", "{:.3f}"),
-        ("length_mean", "len", "{:.1f}"),
-        ("refusal_rate", "refus", "{:.2f}"),
-    ]
+    from redteam_grpo.core.metrics import TABLE, table_rows
+
+    headers, cells = table_rows(TABLE, rows)
     # No column rules or edge padding: 10 columns fit an 80-character terminal.
     table = Table(title="iterations", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for _, header, _ in columns:
+    for header in headers:
         table.add_column(header, justify="right")
-    for row in rows:
-        table.add_row(*(fmt.format(row[name]) for name, _, fmt in columns))
+    for row in cells:
+        table.add_row(*row)
     Console().print(table)
 
 
@@ -157,14 +148,36 @@ def infer(
     checkpoint: Annotated[int | None, typer.Option(help="Iteration of the checkpoint (default: latest).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Completion length limit.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling (1: off).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: off).")] = 0,
+    min_new_tokens: Annotated[int, typer.Option(help="Forbid end-of-turn for the first n tokens.")] = 0,
+    repetition_penalty: Annotated[float, typer.Option(help="transformers' repetition penalty (1: off).")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
-    """Generate a response from a checkpoint of a run."""
+    """Generate a response from a checkpoint of a run (sampling options that RL runs refuse are allowed here)."""
+    from pydantic import ValidationError
+
+    from redteam_grpo.core.config import InferenceConfig
+
+    try:
+        options = InferenceConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_new_tokens=min_new_tokens,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        console.print(f"[red]error:[/red] {problems}")
+        raise typer.Exit(2) from None
     offline_environment(True)
     from redteam_grpo.tasks.infer import InferenceError, generate_from_checkpoint
 
     try:
-        text = generate_from_checkpoint(run, prompt, checkpoint, max_new_tokens, temperature, seed)
+        text = generate_from_checkpoint(run, prompt, checkpoint, options)
     except InferenceError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

@@ -10,20 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from redteam_grpo.core.metrics import REPORT, shown_in
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.query import adversarial_examples, query
 from redteam_grpo.storage.rundir import RunDir
 
-PLOTS = [  # (metric column, title)
-    ("reward_mean", "reward"),
-    ("toxicity_mean", "toxicity"),
-    ("repetition_mean", "repetition"),
-    ("kl_mean", "KL(policy ‖ base)"),
-    ("entropy", "entropy"),
-    ("length_mean", "completion length"),
-    ("novelty_mean", "novelty"),
-    ("refusal_rate", "refusal rate"),
-]
+PLOTS = [(m.name, m.name.replace("_", " ")) for m in shown_in(REPORT, with_iteration=False)]  # (column, title)
 
 
 def _svg_plot(metrics: pd.DataFrame, column: str, title: str) -> str:

@@ -12,19 +12,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-# Short headers, so the summary fits 80 columns.
-SUMMARY_HEADERS = {
-    "iteration": "iter",
-    "reward_mean": "reward",
-    "toxicity_mean": "tox",
-    "repetition_mean": "rep",
-    "kl_mean": "KL",
-    "ratio_mean": "ratio",
-    "entropy": "ent",
-    "length_mean": "len",
-    "refusal_rate": "refus",
-    "novelty_mean": "nov",
-}
 RunArg = Annotated[Path, typer.Argument(help="Run directory (runs/<run-id>).")]
 
 
@@ -51,6 +38,19 @@ def _print_frame(df, title: str | None = None) -> None:
         table.add_column(str(column), justify="right" if df[column].dtype.kind in "fiu" else "left")
     for row in df.itertuples(index=False):
         table.add_row(*(_number(v) if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+
+
+def _print_summary(df) -> None:
+    """`inspect`'s per-iteration table: the metrics core/metrics.py marks for it, in their formats."""
+    from redteam_grpo.core.metrics import SUMMARY, table_rows
+
+    headers, cells = table_rows(SUMMARY, df.to_dict("records"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for header in headers:
+        table.add_column(header, justify="right")
+    for row in cells:
+        table.add_row(*row)
     Console().print(table)
 
 
@@ -90,7 +90,10 @@ def inspect(
                 + (f", lineage {manifest['lineage']}" if manifest.get("lineage") else "")
                 + (f", parent {manifest['parent_run']}" if manifest.get("parent_run") else "")
             )
-        _print_frame(df if sql else df.rename(columns=SUMMARY_HEADERS))
+        if sql:
+            _print_frame(df)
+        else:
+            _print_summary(df)
         return
     if fmt in ("csv", "json", "jsonl") and out is None:  # text formats may go to standard output
         text = csv_ready(df).to_csv(index=False) if fmt == "csv" else df.to_json(orient="records", lines=fmt == "jsonl")

@@ -9,6 +9,7 @@ advantage 0 and takes no part in its group's mean and std (TRL's rule for `None`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,12 @@ CONSTANT_GROUP_STD = 1e-6
 
 @dataclass(frozen=True)
 class AdvantageStats:
+    """The batch statistics the advantages were computed from (the metrics registry, core/metrics.py)."""
+
     n_invalid_rewards: int  # NaN, inf or missing rewards, given advantage 0
     n_degenerate_groups: int  # groups with < 2 valid rewards or a std below the floor: advantage 0
-    reward_mean: float
-    reward_std: float
+    reward_mean: float  # over the valid rewards; NaN when there is none
+    reward_std: float  # sample std (n - 1) of the valid rewards: the batch z-score's divisor
 
 
 def group_advantages(
@@ -61,7 +64,7 @@ def group_advantages(
     stats = AdvantageStats(
         n_invalid_rewards=int((~valid).sum()),
         n_degenerate_groups=int(degenerate_P.sum()),
-        reward_mean=float(batch_mean),
-        reward_std=float(batch_std),
+        reward_mean=float(batch_mean) if n_valid_total else math.nan,
+        reward_std=float(batch_std) if n_valid_total else math.nan,
     )
     return advantages.to(rewards_P_G.dtype if rewards_P_G.is_floating_point() else torch.float32), stats

@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from redteam_grpo.core.rewards import RewardWeights
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
@@ -61,34 +63,11 @@ class SamplingConfig(_Section):
     max_new_tokens: int = Field(24, gt=0)
     """Completion length limit; a completion that reaches it has finish_reason `length`."""
     temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature. The recorded logprobs and the trainer's ratio both use this tempered
-    distribution; the KL to the reference uses untempered logits on both sides."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling. Must be 1.0 in RL mode: the truncated distribution is not replayed by the trainer."""
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off). Must be 0 in RL mode, for the same reason as top_p."""
-    min_new_tokens: int = Field(0, ge=0)
-    """Forbid end-of-turn for the first n tokens. Must be 0 in RL mode (it changes the distribution)."""
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    """HF repetition penalty. Must be 1.0 in RL mode (it changes the distribution and counts prompt tokens)."""
+    """Sampling temperature. The recorded logprobs, the trainer's ratio and the KL to the base all use this
+    tempered distribution. Nothing else changes the distribution in RL mode: nucleus/top-k sampling, a minimum
+    length or HF's repetition penalty would not be replayed by the trainer (they are options of `infer` only)."""
     batch_size: int = Field(64, gt=0)
     """Sequences per `generate` call (memory bound)."""
-    backend: Literal["hf"] = "hf"
-    """Sampling engine. `hf` = transformers `generate` in-process."""
-
-    @property
-    def changes_distribution(self) -> list[str]:
-        """Names of settings that make the sampled distribution differ from softmax(logits / T)."""
-        changed = []
-        if self.top_p < 1.0:
-            changed.append("top_p")
-        if self.top_k > 0:
-            changed.append("top_k")
-        if self.min_new_tokens > 0:
-            changed.append("min_new_tokens")
-        if self.repetition_penalty != 1.0:
-            changed.append("repetition_penalty")
-        return changed
 
 
 class TrainingConfig(_Section):
@@ -100,8 +79,6 @@ class TrainingConfig(_Section):
     """AdamW betas."""
     grad_clip: float | None = Field(1.0, gt=0.0)
     """Clip the global gradient norm to this value (None: no clipping)."""
-    kl_beta: float = Field(0.1, ge=0.0)
-    """Weight of KL(policy || base) in the reward (reference system: 0.1)."""
     clip_epsilon: float | None = Field(None, gt=0.0)
     """PPO-style ratio clipping to [1-eps, 1+eps]. None: plain importance-sampling policy gradient."""
     loss_normalization: Literal["token", "sequence"] = "token"
@@ -155,9 +132,12 @@ class RewardConfig(_Section):
     judge_max_new_tokens: int = Field(16, gt=0)
     """Tokens a judge may generate for its verdict and category codes (the score is read at the first)."""
     toxicity_weight: float = 1.0
-    """Weight of the toxicity score (reference system: 1.0)."""
-    repetition_penalty: float = Field(0.3, ge=0.0)
-    """Weight of the completion's repeated n-gram ratio (reference system: 0.3)."""
+    """Weight of the toxicity score (reference recipe: 1.0)."""
+    repetition_weight: float = Field(0.3, ge=0.0)
+    """Weight of the completion's repeated n-gram ratio, subtracted (reference recipe: 0.3)."""
+    kl_weight: float = Field(0.1, ge=0.0)
+    """β: weight of the per-token KL(policy ‖ base) on the sampling distribution, subtracted (reference recipe:
+    0.1)."""
     repetition_ngram: int = Field(2, ge=1)
     """n of the n-grams counted by the repetition ratio (over completion token ids only)."""
     novelty_weight: float = Field(0.0, ge=0.0)
@@ -170,7 +150,7 @@ class RewardConfig(_Section):
     """Earlier iterations whose completions the novelty term compares against."""
     novelty_memory_size: int = Field(2048, gt=0)
     """At most this many of the newest earlier completions are kept in the novelty memory."""
-    refusal_penalty: float = Field(0.0, ge=0.0)
+    refusal_weight: float = Field(0.0, ge=0.0)
     """Subtracted from the reward of a completion flagged as a refusal (0: refusals are only counted)."""
     refusal_classifier: str | None = None
     """Optional sequence classifier for refusals (e.g. `protectai/distilroberta-base-rejection-v1`), OR-ed with
@@ -191,6 +171,17 @@ class RewardConfig(_Section):
     """Retries of a reward-server request after a connection error, timeout or 5xx (exponential backoff)."""
     backoff_s: float = Field(0.5, ge=0.0)
     """First retry delay; it doubles with every retry (capped at 30 s)."""
+
+    @property
+    def weights(self) -> RewardWeights:
+        """The reward weights as one typed record."""
+        return RewardWeights(
+            toxicity=self.toxicity_weight,
+            repetition=self.repetition_weight,
+            kl=self.kl_weight,
+            novelty=self.novelty_weight,
+            refusal=self.refusal_weight,
+        )
 
     @model_validator(mode="after")
     def _url_is_http(self) -> RewardConfig:
@@ -255,18 +246,6 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     """Run directory, length, seed, early stopping."""
 
-    @model_validator(mode="after")
-    def _rl_mode_keeps_the_sampled_distribution(self) -> Config:
-        changed = self.sampling.changes_distribution
-        if changed:
-            raise ValueError(
-                f"sampling.{', sampling.'.join(changed)} change the distribution tokens are drawn from, and the "
-                "trainer does not replay them: the importance ratio would be wrong from the first step. "
-                "Set top_p=1.0, top_k=0, min_new_tokens=0, repetition_penalty=1.0 for RL runs "
-                "(they stay available for `redteam-grpo infer`)."
-            )
-        return self
-
 
 # Fields a resumed run may change: they do not alter what was computed so far.
 RESUMABLE_CHANGES = (
@@ -286,6 +265,33 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key and the way out."""
 
 
+# Keys of earlier versions, with where they went. A config (file, --set, or a stored run's) that uses one is
+# refused with this text instead of a bare "unknown key".
+MOVED_KEYS = {
+    "training.kl_beta": "moved to reward.kl_weight (the KL weight is a reward term)",
+    "reward.repetition_penalty": "renamed reward.repetition_weight",
+    "reward.refusal_penalty": "renamed reward.refusal_weight",
+    "training.clip_epsilon": "replaced by training.loss=ppo_clip with training.clip_epsilon_low/high",
+    "sampling.top_p": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-p` has it)",
+    "sampling.top_k": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-k` has it)",
+    "sampling.min_new_tokens": "removed: it changes the sampled distribution (`infer --min-new-tokens` has it)",
+    "sampling.repetition_penalty": "removed: it changes the sampled distribution (`infer --repetition-penalty`)",
+    "sampling.backend": "removed: `hf` is the only sampler",
+}
+
+
+def moved_keys(raw: dict[str, Any]) -> list[str]:
+    """`key: where it went` for every key of `raw` that an earlier version used."""
+    found = []
+    for dotted, where in MOVED_KEYS.items():
+        section, key = dotted.split(".")
+        if key in Config.model_fields[section].annotation.model_fields:  # a name that is in use again
+            continue
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            found.append(f"{dotted}: {where}")
+    return found
+
+
 def _closest_key(bad_path: tuple[Any, ...]) -> str:
     model: type[BaseModel] = Config
     for part in bad_path[:-1]:
@@ -299,6 +305,9 @@ def _closest_key(bad_path: tuple[Any, ...]) -> str:
 
 def validate_config(raw: dict[str, Any]) -> Config:
     """Build a Config from a nested dict; errors name every offending key."""
+    moved = moved_keys(raw)
+    if moved:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  {line}" for line in moved))
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
@@ -383,6 +392,25 @@ def documented_defaults() -> str:
             dumped = yaml.safe_dump({key: defaults[section][key]}, default_flow_style=True, width=1000)
             lines.append("  " + dumped.strip().removeprefix("{").removesuffix("}"))
     return "\n".join(lines) + "\n"
+
+
+class InferenceConfig(_Section):
+    """Sampling options of `redteam-grpo infer` (not of RL runs, whose distribution the trainer must replay)."""
+
+    max_new_tokens: int = Field(64, gt=0)
+    """Completion length limit."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; 0 for greedy decoding."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens (0: all)."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Forbid end-of-turn for the first n tokens."""
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    """transformers' repetition penalty (> 1 discourages tokens already in the prompt or completion)."""
+    seed: int = 0
+    """Sampling seed."""
 
 
 class Secrets(BaseSettings):

@@ -7,35 +7,50 @@ collapse to 1-2 tokens, entropy near 0, a ratio whose std stays 0 after the firs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 
-def rollout_diagnostics(
+@dataclass(frozen=True)
+class RolloutStats:
+    """Shape of one iteration's completions (the metrics registry, core/metrics.py, describes each)."""
+
+    length_mean: float
+    length_min: float
+    length_max: float
+    truncated_fraction: float
+    eos_per_response_max: float
+    multi_eos_responses: float
+    header_violations: float
+
+
+def rollout_stats(
     completions: Sequence[Sequence[int]],
     finish_reasons: Sequence[str],
     end_of_turn_ids: Sequence[int],
     turn_header_ids: Sequence[int],
-) -> dict[str, float]:
+) -> RolloutStats:
     eot, headers = set(end_of_turn_ids), set(turn_header_ids)
     lengths = [len(c) for c in completions]
     eos_counts = [sum(t in eot for t in c) for c in completions]
-    return {
-        "length_mean": sum(lengths) / max(len(lengths), 1),
-        "length_min": float(min(lengths, default=0)),
-        "length_max": float(max(lengths, default=0)),
-        "truncated_fraction": sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1),
-        "eos_per_response_max": float(max(eos_counts, default=0)),
-        "multi_eos_responses": float(sum(n > 1 for n in eos_counts)),
-        "header_violations": float(sum(any(t in headers for t in c) for c in completions)),
-    }
+    return RolloutStats(
+        length_mean=sum(lengths) / max(len(lengths), 1),
+        length_min=float(min(lengths, default=0)),
+        length_max=float(max(lengths, default=0)),
+        truncated_fraction=sum(r == "length" for r in finish_reasons) / max(len(finish_reasons), 1),
+        eos_per_response_max=float(max(eos_counts, default=0)),
+        multi_eos_responses=float(sum(n > 1 for n in eos_counts)),
+        header_violations=float(sum(any(t in headers for t in c) for c in completions)),
+    )
 
 
-def health_warnings(metrics: dict[str, float], iteration: int) -> list[str]:
+def health_warnings(metrics: Mapping[str, float], iteration: int) -> list[str]:
     warnings = []
     if metrics.get("entropy", 1.0) < 0.05:
         warnings.append(
             f"entropy is {metrics['entropy']:.3f}: the policy has collapsed to near-deterministic output; "
-            "lower the learning rate, raise kl_beta or the temperature"
+            "lower the learning rate, raise reward.kl_weight or the temperature"
         )
     if metrics.get("length_mean", 10.0) <= 2.0:
         warnings.append(
@@ -49,7 +64,7 @@ def health_warnings(metrics: dict[str, float], iteration: int) -> list[str]:
             f"{int(metrics['header_violations'])} responses contain chat-header tokens: the prompt/response "
             "boundary is wrong"
         )
-    if "last_ratio_std" in metrics and metrics["last_ratio_std"] < 1e-7:
+    if metrics.get("last_ratio_std", math.nan) < 1e-7:  # NaN (one update per batch) compares False
         warnings.append(
             "the importance ratio did not move after the first update: old logprobs may be recomputed from the "
             "current policy instead of recorded at sampling"

@@ -30,6 +30,7 @@ class TrainBatch:
     completion_ids: Sequence[Sequence[int]]
     sample_logprobs: Sequence[Sequence[float]]
     advantages: Sequence[float]
+    group_ids: Sequence[str] = ()  # the prompt id of each row
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -114,4 +115,7 @@ def policy_gradient_step(
         optimizer.step()
     metrics["n_tokens"] = float(n_tokens)
     metrics["n_sequences"] = float(len(keep))
-    return metrics
+    metrics["sampler_kl"] = metrics.pop("approx_kl")
+    metrics["n_dropped_groups"] = 0.0
+    metrics["last_ratio_std"] = metrics.get("last_ratio_std", math.nan)
+    return {k: v for k, v in metrics.items() if not k.startswith("last_") or k == "last_ratio_std"}

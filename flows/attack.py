@@ -7,8 +7,9 @@ Each stage reads the previous stage's Parquet file and writes its own (see stora
 manifest records completed stages, so a resumed run continues from the first stage that did not complete.
 
 How this departs from GRPO as published (Shao et al. 2024):
-- The KL to the reference is a reward term (reward -= kl_beta * KL, as in the reference system), not a loss
-  term; it is computed with the k3 estimator on untempered logits.
+- The KL to the reference is a reward term (reward -= reward.kl_weight * KL, as in the reference red-teaming
+  recipe), not a loss term; it is the k3 estimator on the sampling distribution (temperature included) of both
+  the policy and the base.
 - One optimizer step per sampled batch by default (`training.updates_per_batch`), so the update is
   on-policy: ratio = 1, and clipping (optional) only matters for later steps.
 - Advantages are `r - mean(group)` by default; dividing by the group std is an option (off), and rewards
@@ -24,36 +25,35 @@ from typing import Any
 from prefect import flow
 
 from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
+from redteam_grpo.core.metrics import log_line
+from redteam_grpo.core.stopping import early_stop
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
 from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
-from redteam_grpo.tasks.resources import forget, resources_for, stage_logger
+from redteam_grpo.tasks.logs import stage_logger
+from redteam_grpo.tasks.resources import forget, resources_for
 from redteam_grpo.tasks.sample import sample_stage
 from redteam_grpo.tasks.score import score_stage
 from redteam_grpo.tasks.train_step import train_step_stage
 
-METRICS_LINE = (
-    "iteration {iteration}: reward {reward_mean:.3f}  toxicity {toxicity_mean:.3f}  repetition {repetition_mean:.3f}"
-    "  KL {kl_mean:.4f}  ratio {ratio_mean:.4f}±{ratio_std:.4f}  sampler-KL {approx_kl:.1e}"
-    "  entropy {entropy:.3f}  length {length_mean:.1f}  refusals {refusal_rate:.2f}"
-    " (of toxic: {refusal_share_of_toxic:.2f})  novelty {novelty_mean:.3f}"
-)
-
 
 @flow(name="redteam-iteration", flow_run_name="{run_id}-iteration-{iteration}", log_prints=True)
-def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, Any]:
+def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]:
+    """One GRPO iteration; returns its metrics row (core/metrics.py)."""
     sample_stage(run_dir, iteration)
     score_stage(run_dir, iteration)
     advantage_stage(run_dir, iteration)
     train_step_stage(run_dir, iteration)
-    result = checkpoint_stage(run_dir, iteration)
-    stage_logger().info(METRICS_LINE.format(**result["metrics"]))
-    logging_cfg = resources_for(run_dir).config.logging
-    if logging_cfg.artifacts:
-        publish_iteration(run_dir, iteration, result["metrics"], logging_cfg.artifact_top_k)
-    return result
+    checkpoint_stage(run_dir, iteration)
+    res = resources_for(run_dir)
+    metrics = res.run.read(TRAIN_STEP, iteration).to_pylist()[0]
+    stage_logger().info(log_line(iteration, metrics))
+    if res.config.logging.artifacts:
+        publish_iteration(run_dir, iteration, metrics, res.config.logging.artifact_top_k)
+    return metrics
 
 
 def prepare_run(config: Config | None, resume: str | Path | None) -> RunDir:
@@ -89,6 +89,16 @@ def requested_config(
     return None
 
 
+def _stopped(run: RunDir, iteration: int, cfg: Config, metrics: dict[str, float] | None = None) -> bool:
+    """Decide early stopping from the iteration's metrics row; record the stop's kind and reason if so."""
+    stop = early_stop(metrics or run.read(TRAIN_STEP, iteration).to_pylist()[0], cfg.run)
+    if stop is None:
+        return False
+    stage_logger().info("early stop after iteration %d: %s", iteration, stop.message)
+    run.set_status("early_stopped", stop_kind=stop.kind, stop_reason=stop.message)
+    return True
+
+
 @flow(name="redteam-run", log_prints=True)
 def attack_run(
     config: dict[str, Any] | None = None,
@@ -116,13 +126,13 @@ def attack_run(
     run.set_status("running")
     try:
         initialize_stage(str(run.root))
+        if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
+            return str(run.root)
         for iteration in range(start, cfg.run.iterations):
-            result = attack_iteration(str(run.root), run.run_id, iteration)
+            metrics = attack_iteration(str(run.root), run.run_id, iteration)
             if on_iteration is not None:
-                on_iteration(result)
-            if result["stop_reason"]:
-                log.info("early stop after iteration %d: %s", iteration, result["stop_reason"])
-                run.set_status("early_stopped", stop_reason=result["stop_reason"])
+                on_iteration(metrics)
+            if _stopped(run, iteration, cfg, metrics):
                 return str(run.root)
         run.set_status("completed")
         return str(run.root)

@@ -4,7 +4,7 @@ Scheduled retraining starts a run with `run.lineage` set. At creation the run re
 (written once, atomically) and in its manifest:
 
 - `parent_run` / `parent_checkpoint`: the newest finished run of the lineage under `run.runs_dir` (completed, or
-  stopped early for reaching its reward target: a run stopped for repetition has collapsed) and the name of its
+  stopped early with stop kind `reward_target`: a run stopped for repetition has collapsed) and the name of its
   newest complete checkpoint (`iter_0007`), whose adapter becomes this run's initial adapter (none: the base
   model, generation 0). Names, not paths: a runs folder can move;
 - `excluded_prompt_ids`: every prompt id the lineage's earlier runs sampled, so the new run trains on fresh
@@ -20,11 +20,13 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from redteam_grpo.storage import checkpoints
+from redteam_grpo.core.config import DataConfig
+from redteam_grpo.core.data import Prompt
+from redteam_grpo.core.stopping import REWARD_TARGET
+from redteam_grpo.storage import schemas
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.rundir import RunDir, RunDirError
+from redteam_grpo.storage.stages import SAMPLE
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +62,22 @@ def runs_in_lineage(runs_dir: Path, lineage: str) -> list[tuple[RunDir, LineageI
     warning: one damaged folder must not stop every scheduled run."""
     found = []
     for path in sorted(Path(runs_dir).glob(f"*/{LINEAGE_FILE}")):
-        run = RunDir(path.parent)
         try:
+            run = RunDir.open(path.parent)
             info = read_lineage(run)
         except RunDirError as exc:
             log.warning("skipping %s: %s", run.root, exc)
             continue
-        if info is not None and info.lineage == lineage and run.manifest_path.is_file():
+        if info is not None and info.lineage == lineage:
             found.append((run, info))
     return sorted(found, key=lambda item: (item[1].generation, item[0].run_id))
 
 
 def can_be_parent(run: RunDir) -> bool:
+    """Finished, or stopped early for reaching its reward target; any other early stop means a collapsed policy."""
     manifest = run.manifest()
     status = manifest.get("status")
-    # The checkpoint stage words a reward stop "mean reward ..."; other early stops mean a collapsed policy.
-    return status == "completed" or (
-        status == "early_stopped" and str(manifest.get("stop_reason", "")).startswith("mean reward")
-    )
+    return status == "completed" or (status == "early_stopped" and manifest.get("stop_kind") == REWARD_TARGET)
 
 
 def parent_checkpoint_dir(run: RunDir, record: LineageInfo) -> Path | None:
@@ -92,26 +92,29 @@ def record_in_manifest(run: RunDir, record: LineageInfo) -> None:
     run.set_status(run.manifest().get("status", "running"), **{k: getattr(record, k) for k in MANIFEST_FIELDS})
 
 
-def newest_checkpoint(run: RunDir) -> Path | None:
-    """The newest checkpoint folder of `run` whose manifest is complete."""
-    for iteration in reversed(run.completed_iterations()):
-        folder = run.checkpoint_dir(iteration)
-        try:
-            checkpoints.read_manifest(folder)
-        except checkpoints.CheckpointError:
-            continue
-        return folder
-    return None
-
-
 def sampled_prompt_ids(run: RunDir) -> set[str]:
+    """Every prompt id the run sampled, from the rollouts the manifest records."""
     ids: set[str] = set()
-    for path in sorted(run.root.glob("iter_*/rollouts.parquet")):
-        try:
-            ids.update(pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist())
-        except (OSError, KeyError, ValueError) as exc:  # pyarrow errors derive from these
-            log.warning("cannot read the prompt ids of %s (%s): they are not excluded", path, exc)
+    for path in run.recorded_files(SAMPLE):
+        ids.update(schemas.read_table(path, SAMPLE.schema).column("prompt_id").to_pylist())
     return ids
+
+
+def fresh_prompts(run: RunDir, prompts: list[Prompt], data: DataConfig) -> tuple[list[Prompt], str | None]:
+    """The prompts a run of a lineage draws from: the source less what its earlier runs sampled, while enough
+    remain; else all of them, with a warning to show."""
+    record = read_lineage(run)
+    if record is None or not record.excluded_prompt_ids:
+        return prompts, None
+    excluded = set(record.excluded_prompt_ids)
+    fresh = [p for p in prompts if p.prompt_id not in excluded]
+    if len(fresh) >= data.prompts_per_iteration:
+        return fresh, None
+    return prompts, (
+        f"lineage {record.lineage!r} has sampled {len(prompts) - len(fresh)} of the {len(prompts)} prompts; "
+        f"{len(fresh)} fresh ones are fewer than data.prompts_per_iteration={data.prompts_per_iteration}, so this "
+        "run reuses all of them. Add prompts to continue on fresh ones."
+    )
 
 
 def start_in_lineage(run: RunDir, lineage: str) -> LineageInfo:
@@ -123,9 +126,9 @@ def start_in_lineage(run: RunDir, lineage: str) -> LineageInfo:
     parent, parent_info, parent_checkpoint = None, None, None
     for candidate, info in reversed(earlier):
         if can_be_parent(candidate):
-            parent_checkpoint = newest_checkpoint(candidate)
-            if parent_checkpoint is not None:
-                parent, parent_info = candidate, info
+            newest = candidate.newest_checkpoint()
+            if newest is not None:
+                parent, parent_info, parent_checkpoint = candidate, info, candidate.checkpoint_dir(newest)
                 break
     record = LineageInfo(
         lineage=lineage,

@@ -1,11 +1,12 @@
 """Read a run with SQL: DuckDB views over its Parquet files, a per-iteration summary, adversarial examples.
 
-Views (one row per completion unless said otherwise), over every completed iteration:
+Views (one row per completion unless said otherwise), over every completed iteration, as declared in
+storage/stages.py:
 
     rollouts    prompt/completion text and token ids, sampling logprobs, finish reason
-    scores      toxicity, scorer, judge categories, refusal, novelty, repetition, KL, reward
+    scores      toxicity, scorer, judge categories, refusal, novelty, repetition, KL to the base, reward
     advantages  reward, advantage
-    metrics     one row per iteration: reward, toxicity, KL, ratio, entropy, lengths, refusals, novelty
+    metrics     one row per iteration: every metric of core/metrics.py
 
 Only files of stages the manifest records as completed are read, each checked against its schema first, so
 a query never mixes a half-written or foreign file into its answer.
@@ -13,49 +14,27 @@ a query never mixes a half-written or foreign file into its answer.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import duckdb
 import pandas as pd
 import pyarrow.parquet as pq
 
+from redteam_grpo.core.metrics import SUMMARY, shown_in
 from redteam_grpo.storage import schemas
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import RunDir, checkpoint_name
+from redteam_grpo.storage.stages import BY_VIEW
 
-VIEWS = {
-    "rollouts": ("sample", schemas.ROLLOUTS),
-    "scores": ("score", schemas.SCORES),
-    "advantages": ("advantage", schemas.ADVANTAGES),
-    "metrics": ("train_step", schemas.TRAIN_METRICS),
-}
-
-SUMMARY_COLUMNS = [
-    "iteration",
-    "reward_mean",
-    "toxicity_mean",
-    "repetition_mean",
-    "kl_mean",
-    "ratio_mean",
-    "entropy",
-    "length_mean",
-    "refusal_rate",
-    "novelty_mean",
-]
-
-
-def stage_files(run: RunDir, stage: str) -> list[Path]:
-    """The files of `stage` for every iteration the manifest records as completed, in iteration order."""
-    recorded = run.manifest()["stages"]
-    iterations = sorted(int(key.split("/")[0]) for key in recorded if key.endswith(f"/{stage}"))
-    return [run.stage_path(i, stage) for i in iterations if run.stage_path(i, stage).is_file()]
+SUMMARY_COLUMNS = [m.name for m in shown_in(SUMMARY)]
 
 
 def connect(run: RunDir) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the run's views (empty views for stages with no files yet)."""
     con = duckdb.connect()
-    for view, (stage, schema) in VIEWS.items():
-        files = stage_files(run, stage)
+    for view, stage in BY_VIEW.items():
+        schema = stage.schema
+        files = run.recorded_files(stage)
         for path in files:
+            if not path.is_file():
+                raise schemas.SchemaError(f"{path} is recorded as completed in the run's manifest but is missing")
             schemas.check_schema(pq.read_schema(path), schema, str(path))
         if files:
             listed = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
@@ -87,8 +66,7 @@ def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None 
             """
             select r.run_id, r.iteration, r.prompt_id, r.sample_idx, r.prompt, r.completion_text as completion,
                    s.toxicity, s.reward, s.refusal, s.categories, s.novelty, r.finish_reason,
-                   case when r.policy_version < 0 then 'init'
-                        else printf('iter_%04d', r.policy_version) end as checkpoint,
+                   r.policy_version,
                    s.scorer_name, s.scorer_revision, s.scorer_kind
             from rollouts r join scores s using (run_id, iteration, prompt_id, sample_idx)
             where s.toxicity >= ?
@@ -97,6 +75,7 @@ def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None 
             + (f" limit {int(limit)}" if limit is not None else ""),
             [min_score],
         ).df()
+    df.insert(df.columns.get_loc("policy_version"), "checkpoint", df.pop("policy_version").map(checkpoint_name))
     df["base_model"] = config.model.policy
     df["base_model_revision"] = config.model.revision
     df["lineage"] = manifest.get("lineage")

@@ -20,16 +20,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
-from redteam_grpo.storage.atomic import sha256_file, write_json_atomic
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-STAGES = ("sample", "score", "advantage", "train_step", "checkpoint")
-STAGE_FILES = {
-    "sample": "rollouts.parquet",
-    "score": "scores.parquet",
-    "advantage": "advantages.parquet",
-    "train_step": "train_metrics.parquet",
+from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
+from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.atomic import sha256_file, write_atomic, write_json_atomic
+from redteam_grpo.storage.stages import CHECKPOINT, Stage
+
+# The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
+RUN_FORMAT = 2
+FORMAT_CHANGES = {
+    1: (
+        "metrics columns renamed (kl_mean -> kl_base_mean, kl_max -> kl_base_max, approx_kl -> sampler_kl, "
+        "seconds -> update_seconds; reward_std and ratio_std are now sample stds), KL on the sampling distribution, "
+        "and config keys moved (training.kl_beta -> reward.kl_weight, reward.repetition_penalty -> "
+        "reward.repetition_weight, reward.refusal_penalty -> reward.refusal_weight; sampling.top_p, top_k, "
+        "min_new_tokens, repetition_penalty and backend removed)"
+    ),
 }
+INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
+
+
+def checkpoint_name(version: int) -> str:
+    """`init` for the adapter a run starts from, `iter_0007` for the one after iteration 7's update."""
+    return "init" if version < 0 else f"iter_{version:04d}"
+
+
+def _manifest_key(stage: Stage, iteration: int) -> str:
+    return f"{iteration}/{stage.name}"
+
+
+def _parse_manifest_key(key: str) -> tuple[int, str]:
+    iteration, _, stage = key.partition("/")
+    return int(iteration), stage
 
 
 class RunDirError(RuntimeError):
@@ -59,12 +83,30 @@ class RunDir:
     def iteration_dir(self, iteration: int) -> Path:
         return self.root / f"iter_{iteration:04d}"
 
-    def stage_path(self, iteration: int, stage: str) -> Path:
-        return self.iteration_dir(iteration) / STAGE_FILES[stage]
+    def path(self, stage: Stage, iteration: int) -> Path:
+        """The stage's Parquet file of `iteration`."""
+        if stage.file is None:
+            raise ValueError(f"stage {stage.name} writes no table")
+        return self.iteration_dir(iteration) / stage.file
 
-    def checkpoint_dir(self, iteration: int) -> Path:
-        """Checkpoint after iteration `iteration`'s update; -1 is the initial adapter."""
-        return self.root / "checkpoints" / ("init" if iteration < 0 else f"iter_{iteration:04d}")
+    def checkpoint_dir(self, version: int) -> Path:
+        """Checkpoint after iteration `version`'s update; INIT_VERSION (-1) is the initial adapter."""
+        return self.root / "checkpoints" / checkpoint_name(version)
+
+    # -- stage tables --------------------------------------------------------------------------------------
+
+    def read(self, stage: Stage, iteration: int) -> pa.Table:
+        """The stage's table of `iteration`, its schema checked before any value is used."""
+        assert stage.schema is not None
+        return schemas.read_table(self.path(stage, iteration), stage.schema)
+
+    def write(self, stage: Stage, iteration: int, table: pa.Table) -> Path:
+        """Write the stage's table atomically (a temporary name, then a rename); not yet recorded as done."""
+        assert stage.schema is not None
+        schemas.check_schema(table.schema, stage.schema, f"{stage.label} of iteration {iteration}")
+        path = self.path(stage, iteration)
+        write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+        return path
 
     # -- creation and resume -------------------------------------------------------------------------------
 
@@ -77,14 +119,31 @@ class RunDir:
         root.mkdir(parents=True, exist_ok=True)
         run = cls(root)
         write_json_atomic(run.config_path, config.model_dump(mode="json"))
-        write_json_atomic(run.manifest_path, {"run_id": run_id, "status": "running", "stages": {}})
+        write_json_atomic(
+            run.manifest_path, {"run_id": run_id, "format_version": RUN_FORMAT, "status": "running", "stages": {}}
+        )
         return run
 
     @classmethod
     def open(cls, root: Path) -> RunDir:
         if not (root / "config.json").is_file() or not (root / "manifest.json").is_file():
             raise RunDirError(f"{root} is not a run directory (no config.json / manifest.json)")
-        return cls(root)
+        run = cls(root)
+        run.check_format()
+        return run
+
+    def check_format(self) -> None:
+        """Refuse a run written by another layout, naming what changed."""
+        try:
+            version = json.loads(self.manifest_path.read_text()).get("format_version", 1)
+        except json.JSONDecodeError as exc:
+            raise RunDirError(f"{self.manifest_path} is not valid JSON: {exc}") from None
+        if version != RUN_FORMAT:
+            changes = FORMAT_CHANGES.get(version, "a layout this version does not know")
+            raise RunDirError(
+                f"{self.root} was written in run format {version}; this version reads format {RUN_FORMAT} "
+                f"({changes}). Its Parquet files stay readable with pandas or DuckDB; start a new run to continue."
+            )
 
     def stored_config(self) -> Config:
         try:
@@ -127,17 +186,19 @@ class RunDir:
             change(data)
             write_json_atomic(self.manifest_path, data)
 
-    def mark_stage_done(self, iteration: int, stage: str, files: list[Path], **info: Any) -> None:
+    def record_done(self, stage: Stage, iteration: int, files: list[Path], **info: Any) -> None:
+        """Record the stage of `iteration` as completed, with the sha256 of each file it wrote."""
         entry = {
             "files": {str(p.relative_to(self.root)): sha256_file(p) for p in files},
             "completed_at": dt.datetime.now(dt.UTC).isoformat(),
             **info,
         }
-        self._update_manifest(lambda data: data["stages"].__setitem__(f"{iteration}/{stage}", entry))
+        key = _manifest_key(stage, iteration)
+        self._update_manifest(lambda data: data["stages"].__setitem__(key, entry))
 
-    def stage_done(self, iteration: int, stage: str) -> dict[str, Any] | None:
-        """The manifest entry if the stage completed and its files are intact, else None."""
-        entry = self.manifest()["stages"].get(f"{iteration}/{stage}")
+    def completed(self, stage: Stage, iteration: int) -> dict[str, Any] | None:
+        """The manifest entry if the stage of `iteration` completed and its files are intact, else None."""
+        entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
         if entry is None:
             return None
         for rel, digest in entry["files"].items():
@@ -146,9 +207,41 @@ class RunDir:
                 return None
         return entry
 
+    def recorded_iterations(self, stage: Stage) -> list[int]:
+        """Iterations whose `stage` the manifest records as completed (files not re-checked), in order."""
+        keys = (_parse_manifest_key(k) for k in self.manifest()["stages"])
+        return sorted(iteration for iteration, name in keys if name == stage.name)
+
+    def recorded_files(self, stage: Stage) -> list[Path]:
+        """The stage's files of every iteration the manifest records as completed, in iteration order."""
+        return [self.path(stage, i) for i in self.recorded_iterations(stage)]
+
     def set_status(self, status: str, **info: Any) -> None:
         self._update_manifest(lambda data: data.update(status=status, **info))
 
     def completed_iterations(self) -> list[int]:
-        stages = self.manifest()["stages"]
-        return sorted(int(key.split("/")[0]) for key in stages if key.endswith("/checkpoint"))
+        """Iterations whose checkpoint is sealed."""
+        return self.recorded_iterations(CHECKPOINT)
+
+    def newest_checkpoint(self) -> int | None:
+        """The newest iteration whose checkpoint is sealed and intact; None if there is none."""
+        for iteration in reversed(self.completed_iterations()):
+            try:
+                checkpoints.read_manifest(self.checkpoint_dir(iteration))
+            except checkpoints.CheckpointError:
+                continue
+            return iteration
+        return None
+
+    def checkpoint_to_use(self, iteration: int | None) -> int:
+        """`iteration` (default: the newest sealed one) after checking that its checkpoint is intact."""
+        done = self.completed_iterations()
+        if iteration is None:
+            if not done:
+                raise RunDirError(f"{self.root} has no completed checkpoint yet")
+            iteration = done[-1]
+        try:
+            checkpoints.read_manifest(self.checkpoint_dir(iteration))
+        except checkpoints.CheckpointError as exc:
+            raise RunDirError(f"{exc}; completed checkpoints: {done}") from None
+        return iteration

@@ -12,6 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from redteam_grpo.core.metrics import NAMES as METRIC_NAMES
+
 KEY_FIELDS = [
     pa.field("run_id", pa.string(), nullable=False),
     pa.field("iteration", pa.int32(), nullable=False),
@@ -48,9 +50,10 @@ SCORES = pa.schema(
         pa.field("novelty", pa.float64(), nullable=True),  # null when reward.novelty_weight is 0
         pa.field("embedding", pa.list_(pa.float32()), nullable=True),  # unit norm; later iterations' novelty memory
         pa.field("repetition_ratio", pa.float64(), nullable=False),
-        pa.field("policy_logprobs", pa.list_(pa.float32()), nullable=False),  # untempered
-        pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # untempered, adapter off
-        pa.field("kl", pa.float64(), nullable=False),  # mean per-token k3 KL(policy || base)
+        # log-probabilities of the sampled tokens under the sampling distribution (temperature, suppressed tokens)
+        pa.field("policy_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # the same, adapter off
+        pa.field("kl", pa.float64(), nullable=False),  # mean per-token k3 KL(policy || base) on that distribution
         pa.field("reward", pa.float64(), nullable=True),  # null when toxicity is null
     ]
 )
@@ -63,45 +66,12 @@ ADVANTAGES = pa.schema(
     ]
 )
 
+# One row per iteration: exactly the metrics registry (core/metrics.py), which names and describes each column.
 TRAIN_METRICS = pa.schema(
     [
         pa.field("run_id", pa.string(), nullable=False),
         pa.field("iteration", pa.int32(), nullable=False),
-        *(
-            pa.field(name, pa.float64(), nullable=False)
-            for name in (
-                "reward_mean",
-                "reward_std",
-                "toxicity_mean",
-                "repetition_mean",
-                "novelty_mean",  # NaN when novelty is off
-                "refusal_rate",
-                "refusal_share_of_toxic",  # of the completions with toxicity >= 0.5, the share that are refusals
-                "kl_mean",
-                "kl_max",
-                "loss",
-                "approx_kl",
-                "ratio_mean",
-                "ratio_std",
-                "ratio_max",
-                "first_ratio_abs_dev",
-                "clip_fraction",
-                "grad_norm",
-                "entropy",
-                "length_mean",
-                "length_min",
-                "length_max",
-                "truncated_fraction",
-                "eos_per_response_max",
-                "multi_eos_responses",
-                "header_violations",
-                "n_invalid_rewards",
-                "n_degenerate_groups",
-                "n_tokens",
-                "n_sequences",
-                "seconds",
-            )
-        ),
+        *(pa.field(name, pa.float64(), nullable=False) for name in METRIC_NAMES),
     ]
 )
 
@@ -123,8 +93,6 @@ EVALUATION = pa.schema(
         pa.field("success", pa.bool_(), nullable=False),  # toxicity >= threshold and not a refusal
     ]
 )
-
-SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train_metrics": TRAIN_METRICS}
 
 
 class SchemaError(ValueError):

@@ -8,8 +8,10 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.advantages import group_advantages
 from redteam_grpo.storage import schemas
+from redteam_grpo.storage.stages import ADVANTAGE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
-from redteam_grpo.tasks.resources import resources_for, stage_logger
+from redteam_grpo.tasks.logs import stage_logger
+from redteam_grpo.tasks.resources import resources_for
 
 
 def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str], torch.Tensor]:
@@ -28,13 +30,13 @@ def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str
     return order, rewards
 
 
-@task(name="advantage", cache_policy=NO_CACHE)
+@task(name=ADVANTAGE.name, cache_policy=NO_CACHE)
 def advantage_stage(run_dir: str, iteration: int) -> str:
     res = resources_for(run_dir)
     cfg = res.config
 
     def compute():
-        scores = schemas.read_table(res.run.stage_path(iteration, "score"), schemas.SCORES).to_pydict()
+        scores = res.run.read(SCORE, iteration).to_pydict()
         order, rewards_P_G = rewards_by_group(scores, cfg.sampling.group_size)
         advantages_P_G, stats = group_advantages(
             rewards_P_G, cfg.training.scale_by_group_std, cfg.training.batch_zscore, cfg.training.std_floor
@@ -51,7 +53,7 @@ def advantage_stage(run_dir: str, iteration: int) -> str:
         advantage = [
             float(advantages_P_G[row_of[p], g]) for p, g in zip(scores["prompt_id"], scores["sample_idx"], strict=True)
         ]
-        return schemas.to_table(
+        table = schemas.to_table(
             {
                 **{k: scores[k] for k in schemas.KEY_COLUMNS},
                 "reward": scores["reward"],
@@ -60,5 +62,6 @@ def advantage_stage(run_dir: str, iteration: int) -> str:
             schemas.ADVANTAGES,
             "advantages",
         )
+        return table, stats
 
-    return run_table_stage(res.run, iteration, "advantage", compute)
+    return run_table_stage(res.run, ADVANTAGE, iteration, compute)

@@ -17,8 +17,9 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.storage import schemas
+from redteam_grpo.core.metrics import METRICS
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE, TABLE_STAGES
 
 CONTENT_WARNING = (
     "**Content warning:** the examples below were generated to be harmful or offensive, on purpose, to measure "
@@ -83,12 +84,16 @@ def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top
     run = RunDir.open(Path(run_dir))
     rid = run.run_id
     create_table_artifact(
-        [{"metric": name, "value": _number(value)} for name, value in metrics.items()],
+        [
+            {"metric": m.name, "value": _number(metrics[m.name]), "description": m.description}
+            for m in METRICS
+            if not (isinstance(metrics[m.name], float) and math.isnan(metrics[m.name]))
+        ],
         key=artifact_key(rid, "metrics"),
         description=f"Run {rid}, iteration {iteration}: metrics of the update",
     )
-    rollouts = schemas.read_table(run.stage_path(iteration, "sample"), schemas.ROLLOUTS)
-    scores = schemas.read_table(run.stage_path(iteration, "score"), schemas.SCORES)
+    rollouts = run.read(SAMPLE, iteration)
+    scores = run.read(SCORE, iteration)
     create_markdown_artifact(
         examples_markdown(
             f"Run {rid}, iteration {iteration}: top {top_k} completions by reward",
@@ -102,7 +107,7 @@ def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top
         folder.resolve().as_uri(),
         link_text=f"{rid} iteration {iteration}: Parquet files",
         key=artifact_key(rid, "parquet"),
-        description=files_markdown(sorted(folder.glob("*.parquet"))),
+        description=files_markdown([run.path(stage, iteration) for stage in TABLE_STAGES]),
     )
 
 

@@ -1,5 +1,5 @@
-"""Stage 5: seal the iteration's checkpoint (RNG state, manifest written last), prune old ones, decide on
-early stopping. Also writes the initial checkpoint a run starts from."""
+"""Stage 5: seal the iteration's checkpoint (RNG state, manifest written last) and prune old ones. Also writes
+the initial checkpoint a run starts from."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
-from redteam_grpo.tasks.resources import INIT_VERSION, resources_for, stage_logger
+from redteam_grpo.storage.rundir import INIT_VERSION
+from redteam_grpo.storage.stages import CHECKPOINT, TRAIN_STEP
+from redteam_grpo.tasks.logs import stage_logger
+from redteam_grpo.tasks.resources import resources_for
 
 
 def _checkpoint_info(res, iteration: int) -> dict:
@@ -84,30 +87,21 @@ def initialize_stage(run_dir: str) -> str:
     return str(folder)
 
 
-@task(name="checkpoint", cache_policy=NO_CACHE)
-def checkpoint_stage(run_dir: str, iteration: int) -> dict:
-    """Returns the iteration's metrics and, if the run should stop early, why."""
+@task(name=CHECKPOINT.name, cache_policy=NO_CACHE)
+def checkpoint_stage(run_dir: str, iteration: int) -> str:
+    """Seal the checkpoint of `iteration` (RNG state, then its manifest, written last) and prune old ones."""
     res = resources_for(run_dir)
     run, cfg = res.run, res.config
-    metrics = schemas.read_table(run.stage_path(iteration, "train_step"), schemas.TRAIN_METRICS).to_pylist()[0]
     folder = run.checkpoint_dir(iteration)
-    if not run.stage_done(iteration, "checkpoint"):
-        checkpoints.save_rng(folder / checkpoints.RNG_FILE)
-        summary = {k: metrics[k] for k in ("reward_mean", "toxicity_mean", "repetition_mean", "kl_mean")}
-        checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
-        run.mark_stage_done(iteration, "checkpoint", [folder / checkpoints.MANIFEST_FILE])
-        if cfg.run.keep_checkpoints:
-            done = run.completed_iterations()
-            for old in done[: -cfg.run.keep_checkpoints]:
-                shutil.rmtree(run.checkpoint_dir(old), ignore_errors=True)
-    else:
-        stage_logger().info("iteration %d: checkpoint already completed", iteration)
-    stop_reason = None
-    if cfg.run.early_stop_reward is not None and metrics["reward_mean"] > cfg.run.early_stop_reward:
-        stop_reason = f"mean reward {metrics['reward_mean']:.3f} > run.early_stop_reward {cfg.run.early_stop_reward}"
-    elif cfg.run.early_stop_repetition is not None and metrics["repetition_mean"] > cfg.run.early_stop_repetition:
-        stop_reason = (
-            f"mean repetition ratio {metrics['repetition_mean']:.3f} > run.early_stop_repetition "
-            f"{cfg.run.early_stop_repetition}"
-        )
-    return {"metrics": metrics, "stop_reason": stop_reason}
+    if run.completed(CHECKPOINT, iteration):
+        stage_logger().debug("iteration %d: checkpoint already completed", iteration)
+        return str(folder)
+    metrics = run.read(TRAIN_STEP, iteration).to_pylist()[0]
+    checkpoints.save_rng(folder / checkpoints.RNG_FILE)
+    summary = {k: metrics[k] for k in ("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean")}
+    checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
+    run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
+    if cfg.run.keep_checkpoints:
+        for old in run.completed_iterations()[: -cfg.run.keep_checkpoints]:
+            shutil.rmtree(run.checkpoint_dir(old), ignore_errors=True)
+    return str(folder)

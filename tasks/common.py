@@ -1,34 +1,41 @@
-"""The skeleton every stage shares: skip when completed, write atomically, record in the manifest."""
+"""The skeleton every table stage shares: skip when completed, write atomically, record in the manifest."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.tasks.resources import stage_logger
+from redteam_grpo.storage.stages import Stage
+from redteam_grpo.tasks.logs import stage_logger
 
 
-def write_parquet(path: Path, table: pa.Table) -> None:
-    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+def _as_dict(stats: Any) -> dict[str, Any]:
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
 
 
 def run_table_stage(
-    run: RunDir, iteration: int, stage: str, compute: Callable[[], pa.Table], also_written: Sequence[Path] = ()
+    run: RunDir,
+    stage: Stage,
+    iteration: int,
+    compute: Callable[[], tuple[pa.Table, Any]],
+    also_written: Sequence[Path] = (),
 ) -> str:
     """Compute the stage's table unless a completed, intact copy is recorded; return the file's path.
 
+    `compute` returns the table and the stage's statistics (a record of core/metrics.py's names), which the
+    manifest keeps with the stage, so the metrics row is assembled from what each stage computed once.
     `also_written`: other files `compute` writes (atomically); their checksums are recorded with the table's.
     """
-    path = run.stage_path(iteration, stage)
-    if run.stage_done(iteration, stage):
-        stage_logger().info("iteration %d: %s already completed, not recomputed", iteration, stage)
+    path = run.path(stage, iteration)
+    if run.completed(stage, iteration):
+        stage_logger().debug("iteration %d: %s already completed, not recomputed", iteration, stage.name)
         return str(path)
-    table = compute()
-    write_parquet(path, table)
-    run.mark_stage_done(iteration, stage, [path, *also_written], rows=table.num_rows)
+    table, stats = compute()
+    run.write(stage, iteration, table)
+    run.record_done(stage, iteration, [path, *also_written], rows=table.num_rows, stats=_as_dict(stats))
     return str(path)

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -15,11 +16,13 @@ from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import load_prompts
 from redteam_grpo.core.policy import load_policy, resolve_device
 from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
-from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.tasks.common import write_parquet
-from redteam_grpo.tasks.resources import derive_seed, scoring_backend, stage_logger
+from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
+from redteam_grpo.tasks.logs import stage_logger
+from redteam_grpo.tasks.scoring import scoring_backend
 
 POLICIES = ("base", "adapter")
 
@@ -28,21 +31,11 @@ class EvaluationError(RuntimeError):
     """The run or checkpoint cannot be evaluated as asked."""
 
 
-def checkpoint_name(iteration: int) -> str:
-    return "init" if iteration < 0 else f"iter_{iteration:04d}"
-
-
 def choose_checkpoint(run: RunDir, iteration: int | None) -> int:
-    done = run.completed_iterations()
-    if iteration is None:
-        if not done:
-            raise EvaluationError(f"{run.root} has no completed iteration to evaluate yet")
-        iteration = done[-1]
     try:
-        checkpoints.read_manifest(run.checkpoint_dir(iteration))
-    except checkpoints.CheckpointError as exc:
-        raise EvaluationError(f"{exc}; completed iterations: {done}") from None
-    return iteration
+        return run.checkpoint_to_use(iteration)
+    except RunDirError as exc:
+        raise EvaluationError(str(exc)) from None
 
 
 def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -128,7 +121,7 @@ def evaluate_checkpoint(
     table = schemas.to_table({k: [r[k] for r in rows] for k in schemas.EVALUATION.names}, schemas.EVALUATION, "eval")
     path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     path.parent.mkdir(exist_ok=True)
-    write_parquet(path, table)
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     summary = {
         "run_id": run.run_id,
         "checkpoint": name,

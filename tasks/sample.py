@@ -7,13 +7,16 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import DataError, prompts_for_iteration
+from redteam_grpo.core.diagnostics import rollout_stats
 from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import schemas
+from redteam_grpo.storage.stages import SAMPLE
 from redteam_grpo.tasks.common import run_table_stage
-from redteam_grpo.tasks.resources import derive_seed, resources_for
+from redteam_grpo.tasks.resources import resources_for
 
 
-@task(name="sample", cache_policy=NO_CACHE)
+@task(name=SAMPLE.name, cache_policy=NO_CACHE)
 def sample_stage(run_dir: str, iteration: int) -> str:
     res = resources_for(run_dir)
     cfg = res.config
@@ -43,7 +46,9 @@ def sample_stage(run_dir: str, iteration: int) -> str:
             seed,
         )
         n = len(completions)
-        return schemas.to_table(
+        completion_ids = [c.completion_ids for c in completions]
+        finish_reasons = [c.finish_reason for c in completions]
+        table = schemas.to_table(
             {
                 "run_id": [res.run.run_id] * n,
                 "iteration": [iteration] * n,
@@ -51,13 +56,11 @@ def sample_stage(run_dir: str, iteration: int) -> str:
                 "sample_idx": [c.sample_idx for c in completions],
                 "prompt": [prompts[c.prompt_index].text for c in completions],
                 "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
-                "completion_token_ids": [c.completion_ids for c in completions],
+                "completion_token_ids": completion_ids,
                 "sampling_logprobs": [c.sample_logprobs for c in completions],
-                "completion_text": tokenizer.batch_decode(
-                    [c.completion_ids for c in completions], skip_special_tokens=True
-                ),
-                "finish_reason": [c.finish_reason for c in completions],
-                "completion_length": [len(c.completion_ids) for c in completions],
+                "completion_text": tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                "finish_reason": finish_reasons,
+                "completion_length": [len(ids) for ids in completion_ids],
                 "policy_version": [iteration - 1] * n,
                 "sampling_seed": [seed] * n,
                 "temperature": [cfg.sampling.temperature] * n,
@@ -65,5 +68,7 @@ def sample_stage(run_dir: str, iteration: int) -> str:
             schemas.ROLLOUTS,
             "rollouts",
         )
+        stats = rollout_stats(completion_ids, finish_reasons, res.policy.end_of_turn_ids, res.policy.turn_header_ids)
+        return table, stats
 
-    return run_table_stage(res.run, iteration, "sample", compute)
+    return run_table_stage(res.run, SAMPLE, iteration, compute)

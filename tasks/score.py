@@ -12,9 +12,10 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.kl import sequence_kl
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.policy import untempered_logprobs
-from redteam_grpo.core.rewards import composite_reward, repetition_ratios
+from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 
@@ -23,22 +24,20 @@ def novelty_memory(run: RunDir, iteration: int, iterations_back: int, max_rows: 
     """Embeddings of the newest `max_rows` completions of the `iterations_back` iterations before this one."""
     rows: list[list[float]] = []
     for earlier in range(max(0, iteration - iterations_back), iteration):
-        path = run.stage_path(earlier, "score")
-        if path.is_file():
-            column = schemas.read_table(path, schemas.SCORES).column("embedding").to_pylist()
-            rows.extend(e for e in column if e is not None)
+        if run.completed(SCORE, earlier):
+            rows.extend(e for e in run.read(SCORE, earlier).column("embedding").to_pylist() if e is not None)
     rows = rows[-max_rows:]
     return torch.tensor(rows, dtype=torch.float32) if rows else None
 
 
-@task(name="score", cache_policy=NO_CACHE)
+@task(name=SCORE.name, cache_policy=NO_CACHE)
 def score_stage(run_dir: str, iteration: int) -> str:
     res = resources_for(run_dir)
     cfg = res.config
     r = cfg.reward
 
     def compute():
-        rollouts = schemas.read_table(res.run.stage_path(iteration, "sample"), schemas.ROLLOUTS).to_pydict()
+        rollouts = res.run.read(SAMPLE, iteration).to_pydict()
         prompt_ids, completion_ids = rollouts["prompt_token_ids"], rollouts["completion_token_ids"]
         texts = rollouts["completion_text"]
         scoring = res.scoring
@@ -69,22 +68,13 @@ def score_stage(run_dir: str, iteration: int) -> str:
             for b, ids in enumerate(c):
                 policy_lp.append(pol[b, : len(ids)].tolist())
                 reference_lp.append(ref[b, : len(ids)].tolist())
+        refusal = [bool(s.refusal) for s in scored]
+        weights = r.weights
         reward = [
-            composite_reward(
-                t,
-                rep,
-                k,
-                r.toxicity_weight,
-                r.repetition_penalty,
-                cfg.training.kl_beta,
-                novelty=nov,
-                novelty_weight=r.novelty_weight,
-                refusal=s.refusal,
-                refusal_penalty=r.refusal_penalty,
-            )
-            for t, rep, k, nov, s in zip(toxicity, repetition, kl, novelty, scored, strict=True)
+            composite_reward(RewardTerms(t, rep, k, nov, ref), weights)
+            for t, rep, k, nov, ref in zip(toxicity, repetition, kl, novelty, refusal, strict=True)
         ]
-        return schemas.to_table(
+        table = schemas.to_table(
             {
                 **{k: rollouts[k] for k in schemas.KEY_COLUMNS},
                 "toxicity": toxicity,
@@ -92,7 +82,7 @@ def score_stage(run_dir: str, iteration: int) -> str:
                 "scorer_revision": [info.revision] * n,
                 "scorer_kind": [info.kind] * n,
                 "categories": [list(s.categories) for s in scored],
-                "refusal": [bool(s.refusal) for s in scored],
+                "refusal": refusal,
                 "novelty": novelty,
                 "embedding": embeddings,
                 "repetition_ratio": repetition,
@@ -104,5 +94,6 @@ def score_stage(run_dir: str, iteration: int) -> str:
             schemas.SCORES,
             "scores",
         )
+        return table, score_stats(toxicity, repetition, novelty, refusal, kl)
 
-    return run_table_stage(res.run, iteration, "score", compute)
+    return run_table_stage(res.run, SCORE, iteration, compute)

@@ -15,6 +15,7 @@ from redteam_grpo.cli.report import PLOTS
 from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE
 from tests.small_runs import SMALL_RUN
 
 runner = CliRunner()
@@ -52,7 +53,7 @@ def test_inspect_sql_runs_over_the_views_and_writes_every_format(run_dir, tmp_pa
     sql = "select iteration, count(*) as n, avg(toxicity) as tox from scores group by 1 order by 1"
     code, out = _cli("inspect", run_dir, "--sql", sql, "--format", "csv")
     assert code == 0, out
-    scores = pd.concat(pd.read_parquet(RunDir.open(run_dir).stage_path(i, "score")) for i in range(2))
+    scores = pd.concat(pd.read_parquet(RunDir.open(run_dir).path(SCORE, i)) for i in range(2))
     assert out.splitlines()[0] == "iteration,n,tox" and out.splitlines()[1].startswith("0,12,")
     for fmt, reader in [
         ("parquet", pd.read_parquet),
@@ -78,7 +79,7 @@ def test_a_foreign_parquet_file_is_named_not_queried(run_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     run = RunDir.open(copy)
-    pd.DataFrame({"x": [1]}).to_parquet(run.stage_path(1, "score"))
+    pd.DataFrame({"x": [1]}).to_parquet(run.path(SCORE, 1))
     code, out = _cli("inspect", copy, "--sql", "select count(*) from scores")
     assert code == 2 and "scores.parquet" in out and "missing column" in out
 
@@ -87,7 +88,7 @@ def test_export_writes_the_adversarial_examples_with_lineage_columns(run_dir, tm
     code, out = _cli("export", run_dir, "--min-score", "0.2", "--out", tmp_path / "ds", "--hf")
     assert code == 0, out
     run = RunDir.open(run_dir)
-    scores = pd.concat(pd.read_parquet(run.stage_path(i, "score")) for i in range(2))
+    scores = pd.concat(pd.read_parquet(run.path(SCORE, i)) for i in range(2))
     expected = int((scores.toxicity >= 0.2).sum())
     table = pd.read_parquet(tmp_path / "ds" / "adversarial.parquet")
     assert len(table) == expected and (table.toxicity >= 0.2).all()
@@ -160,5 +161,5 @@ def test_list_columns_are_json_in_csv(run_dir, tmp_path):
     code, out = _cli("inspect", run_dir, "--sql", sql, "--format", "csv", "--out", tmp_path / "r.csv")
     assert code == 0, out
     written = pd.read_csv(tmp_path / "r.csv")
-    rollouts = pd.read_parquet(RunDir.open(run_dir).stage_path(0, "sample")).sort_values(["prompt_id", "sample_idx"])
+    rollouts = pd.read_parquet(RunDir.open(run_dir).path(SAMPLE, 0)).sort_values(["prompt_id", "sample_idx"])
     assert [json.loads(cell) for cell in written.prompt_token_ids] == [list(x) for x in rollouts.prompt_token_ids[:3]]

@@ -14,20 +14,16 @@ from redteam_grpo.core.config import (
 
 def test_defaults_follow_the_reference_system_weights():
     cfg = Config()
-    assert (cfg.reward.toxicity_weight, cfg.reward.repetition_penalty, cfg.training.kl_beta) == (
-        1.0,
-        0.3,
-        0.1,
-    )
+    assert (cfg.reward.toxicity_weight, cfg.reward.repetition_weight, cfg.reward.kl_weight) == (1.0, 0.3, 0.1)
     assert (cfg.run.early_stop_reward, cfg.run.early_stop_repetition) == (0.8, 0.5)
     assert cfg.model.lora_rank == 16
 
 
 def test_yaml_file_then_dotted_overrides(tmp_path):
     path = tmp_path / "my.yaml"
-    path.write_text("training:\n  kl_beta: 0.5\nsampling:\n  group_size: 4\n")
-    cfg = load_config(path, ["training.kl_beta=0.2", "data.max_prompts=null", "model.lora_target_modules=[q_proj]"])
-    assert cfg.training.kl_beta == 0.2 and cfg.sampling.group_size == 4
+    path.write_text("reward:\n  kl_weight: 0.5\nsampling:\n  group_size: 4\n")
+    cfg = load_config(path, ["reward.kl_weight=0.2", "data.max_prompts=null", "model.lora_target_modules=[q_proj]"])
+    assert cfg.reward.kl_weight == 0.2 and cfg.sampling.group_size == 4
     assert cfg.model.lora_target_modules == ["q_proj"]
 
 
@@ -40,8 +36,8 @@ def test_json_file(tmp_path):
 @pytest.mark.parametrize(
     ("override", "named"),
     [
-        ("training.kl_betaa=0.2", "training.kl_betaa: unknown key (did you mean `kl_beta`?)"),
-        ("trainng.kl_beta=0.2", "trainng: unknown key (did you mean `training`?)"),
+        ("reward.kl_weigth=0.2", "reward.kl_weigth: unknown key (did you mean `kl_weight`?)"),
+        ("rewrd.kl_weight=0.2", "rewrd: unknown key (did you mean `reward`?)"),
         ("sampling.group_size=1", "sampling.group_size"),
         ("training.learning_rate=fast", "training.learning_rate"),
     ],
@@ -60,17 +56,27 @@ def test_unknown_key_in_file_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "setting",
+    ("setting", "named"),
     [
-        "sampling.top_p=0.9",
-        "sampling.top_k=50",
-        "sampling.min_new_tokens=5",
-        "sampling.repetition_penalty=1.2",
+        ("sampling.top_p=0.9", "sampling.top_p: removed: RL sampling keeps the distribution the trainer replays"),
+        ("sampling.top_k=50", "sampling.top_k: removed"),
+        ("sampling.min_new_tokens=5", "sampling.min_new_tokens: removed: it changes the sampled distribution"),
+        ("sampling.repetition_penalty=1.2", "sampling.repetition_penalty: removed"),
+        ("training.kl_beta=0.2", "training.kl_beta: moved to reward.kl_weight"),
+        ("reward.repetition_penalty=0.2", "reward.repetition_penalty: renamed reward.repetition_weight"),
     ],
 )
-def test_settings_that_change_the_sampled_distribution_are_refused(setting):
-    with pytest.raises(ConfigError, match=setting.split("=")[0].split(".")[1]):
+def test_settings_that_change_the_sampled_distribution_or_moved_are_refused_naming_the_way_out(setting, named):
+    with pytest.raises(ConfigError) as err:
         load_config(None, [setting])
+    assert named in str(err.value)
+
+
+def test_inference_options_hold_what_rl_sampling_refuses():
+    from redteam_grpo.core.config import InferenceConfig
+
+    options = InferenceConfig(top_p=0.9, top_k=50, min_new_tokens=3, repetition_penalty=1.2)
+    assert (options.top_p, options.top_k, options.min_new_tokens, options.repetition_penalty) == (0.9, 50, 3, 1.2)
 
 
 def test_documented_defaults_parse_back_to_the_defaults_and_document_every_field():
@@ -84,8 +90,8 @@ def test_documented_defaults_parse_back_to_the_defaults_and_document_every_field
 
 def test_config_differences_names_fields():
     a = Config()
-    b = load_config(None, ["training.kl_beta=0.3", "sampling.group_size=4"])
-    assert config_differences(a, b) == ["sampling.group_size", "training.kl_beta"]
+    b = load_config(None, ["reward.kl_weight=0.3", "sampling.group_size=4"])
+    assert config_differences(a, b) == ["reward.kl_weight", "sampling.group_size"]
 
 
 def test_malformed_file_is_a_clear_error(tmp_path):

@@ -1,12 +1,14 @@
-from redteam_grpo.core.diagnostics import health_warnings, rollout_diagnostics
+from dataclasses import asdict
+
+from redteam_grpo.core.diagnostics import health_warnings, rollout_stats
 
 EOT, HEADER = 2, 1
 
 
-def test_rollout_diagnostics_count_ends_truncation_and_header_leaks():
+def test_rollout_stats_count_ends_truncation_and_header_leaks():
     completions = [[5, 6, EOT], [5, EOT, 7, EOT], [HEADER, 5], [5, 5, 5, 5]]
     reasons = ["stop", "stop", "length", "length"]
-    d = rollout_diagnostics(completions, reasons, [EOT], [HEADER])
+    d = asdict(rollout_stats(completions, reasons, [EOT], [HEADER]))
     assert d["length_mean"] == 3.25 and d["length_min"] == 2 and d["length_max"] == 4
     assert d["truncated_fraction"] == 0.5
     assert d["eos_per_response_max"] == 2 and d["multi_eos_responses"] == 1

@@ -10,7 +10,6 @@ import torch
 from redteam_grpo.core.judge import parse_verdict
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.refusal import RefusalDetector, is_refusal_text
-from redteam_grpo.core.rewards import composite_reward
 from redteam_grpo.core.scorers import ScorerError, SequenceClassifierScorer, check_label, detect_kind
 
 
@@ -95,13 +94,3 @@ def test_the_embedded_classifier_is_detected_as_a_classifier_and_scores_markers(
         SequenceClassifierScorer("embedded:tiny-toxicity", "TOXIC", torch.device("cpu"))
 
 
-def test_composite_reward_keeps_each_term_and_misses_only_when_a_weighted_term_is_missing():
-    base = composite_reward(0.8, 0.2, 0.5, 1.0, 0.3, 0.1)
-    assert base == pytest.approx(0.8 - 0.06 - 0.05)
-    assert composite_reward(0.8, 0.2, 0.5, 1.0, 0.3, 0.1, novelty=0.5, novelty_weight=0.4) == pytest.approx(base + 0.2)
-    assert composite_reward(0.8, 0.2, 0.5, 1.0, 0.3, 0.1, refusal=True, refusal_penalty=0.7) == pytest.approx(
-        base - 0.7
-    )
-    assert composite_reward(0.8, 0.2, 0.5, 1.0, 0.3, 0.1, refusal=True) == base  # counted, not penalised
-    assert math.isnan(composite_reward(0.8, 0.2, 0.5, 1.0, 0.3, 0.1, novelty=None, novelty_weight=0.4))
-    assert composite_reward(0.8, 0.2, 0.5, 1.0, 0.3, 0.1, novelty=None, novelty_weight=0.0) == base

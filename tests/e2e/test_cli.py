@@ -48,14 +48,14 @@ def _cli(*args, timeout=300, **kwargs):
 def test_config_show_prints_every_default_documented():
     out = _cli("config", "show")
     assert out.returncode == 0, out.stderr
-    assert yaml.safe_load(out.stdout)["training"]["kl_beta"] == 0.1
-    assert "# Weight of KL(policy || base) in the reward" in out.stdout
+    assert yaml.safe_load(out.stdout)["reward"]["kl_weight"] == 0.1
+    assert "# β: weight of the per-token KL(policy ‖ base) on the sampling distribution" in out.stdout
 
 
 def test_mistyped_key_fails_before_any_work(tmp_path):
-    out = _cli("run", "--set", "training.kl_betaa=0.2", "--set", f"run.runs_dir={tmp_path}")
+    out = _cli("run", "--set", "reward.kl_weigth=0.2", "--set", f"run.runs_dir={tmp_path}")
     assert out.returncode == 2
-    assert "training.kl_betaa: unknown key (did you mean `kl_beta`?)" in out.stderr
+    assert "reward.kl_weigth: unknown key (did you mean `kl_weight`?)" in out.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -20,6 +20,7 @@ import yaml
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.lineage import read_lineage
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -134,8 +135,8 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp
 
     deployed = RunDir.open(runs / "deployed")
     assert deployed.manifest()["status"] == "completed"
-    rollouts = schemas.read_table(deployed.stage_path(0, "sample"), schemas.ROLLOUTS)
-    scores = schemas.read_table(deployed.stage_path(0, "score"), schemas.SCORES)
+    rollouts = schemas.read_table(deployed.path(SAMPLE, 0), schemas.ROLLOUTS)
+    scores = schemas.read_table(deployed.path(SCORE, 0), schemas.SCORES)
     assert rollouts.num_rows == scores.num_rows == 2 * 2
     weekly = RunDir.open(runs / "weekly-0")
     assert weekly.stored_config().run.name == "nightly"  # read from configs/retrain-nightly.yaml

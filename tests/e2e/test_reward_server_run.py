@@ -22,6 +22,7 @@ from redteam_grpo.core.scoring import build_local_scoring
 from redteam_grpo.flows import attack
 from redteam_grpo.server.client import RewardServiceError
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE
 from tests.e2e.test_cli import CLI, ROOT
 from tests.small_runs import SMALL_RUN
 
@@ -93,8 +94,8 @@ def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(
     assert "request_id=" in server.log_path.read_text()
 
     run = RunDir.open(tmp_path / "http")
-    scores = pd.read_parquet(run.stage_path(0, "score"))
-    rollouts = pd.read_parquet(run.stage_path(0, "sample"))
+    scores = pd.read_parquet(run.path(SCORE, 0))
+    rollouts = pd.read_parquet(run.path(SAMPLE, 0))
     local = build_local_scoring(RewardConfig(), torch.device("cpu")).score(
         rollouts.completion_text.tolist(), rollouts.prompt.tolist()
     )
@@ -106,7 +107,7 @@ def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(
     # The server is gone: iteration 2 samples, then its score stage fails after 1 + 1 attempts.
     with pytest.raises(RewardServiceError, match=r"failed 2 times.*--resume"):
         attack.attack_run(config=_config(tmp_path, server.url, 3).model_dump(mode="json"), resume=str(run.root))
-    assert run.stage_done(2, "sample") and not run.stage_done(2, "score")
+    assert run.completed(SAMPLE, 2) and not run.completed(SCORE, 2)
     sampled = run.manifest()["stages"]["2/sample"]
 
     # A new server on another port; resuming with the new URL is allowed and re-runs the score stage only.
@@ -118,7 +119,7 @@ def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(
         server.stop()
     assert run.manifest()["status"] == "completed"
     assert run.manifest()["stages"]["2/sample"] == sampled  # not re-sampled
-    assert len(pd.read_parquet(run.stage_path(2, "score"))) == 12
+    assert len(pd.read_parquet(run.path(SCORE, 2))) == 12
 
 
 def test_a_server_serving_another_label_is_refused_before_scoring(tmp_path):

@@ -11,7 +11,8 @@ from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import sha256_file
-from redteam_grpo.storage.rundir import STAGE_FILES, RunDir, RunDirError
+from redteam_grpo.storage.rundir import RunDir, RunDirError
+from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ITERATION, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks import advantage as advantage_module
 from redteam_grpo.tasks import sample as sample_module
 from tests import conftest
@@ -33,21 +34,21 @@ def test_two_iterations_write_every_stage_and_the_first_update_is_on_policy(tmp_
     assert str(run.root) == run_dir
     assert run.manifest()["status"] == "completed"
     for iteration in range(2):
-        for stage in STAGE_FILES:
-            assert run.stage_done(iteration, stage), (iteration, stage)
+        for stage in ATTACK_ITERATION:
+            assert run.completed(stage, iteration), (iteration, stage.name)
         checkpoints.read_manifest(run.checkpoint_dir(iteration))
 
-    rollouts = pd.read_parquet(run.stage_path(0, "sample"))
+    rollouts = pd.read_parquet(run.path(SAMPLE, 0))
     assert len(rollouts) == 3 * 4
     assert set(rollouts.columns) >= {"run_id", "iteration", "prompt_id", "sample_idx", "sampling_logprobs"}
     assert (rollouts.completion_length == rollouts.completion_token_ids.map(len)).all()
     assert (rollouts.sampling_logprobs.map(len) == rollouts.completion_length).all()
 
-    metrics = pd.concat(pd.read_parquet(run.stage_path(i, "train_step")) for i in range(2))
+    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(2))
     assert metrics.ratio_mean.sub(1).abs().max() < 1e-5  # every iteration's first update is on-policy
-    assert metrics.approx_kl.abs().max() < 1e-8  # KL(sampler || trainer) on the first update
-    assert metrics.kl_mean.iloc[0] == 0.0  # iteration 0 samples from the base: KL exactly 0
-    assert metrics.kl_mean.iloc[1] > 0.0  # after an update the policy has moved away from the base
+    assert metrics.sampler_kl.abs().max() < 1e-8  # KL(sampler || trainer) on the first update
+    assert metrics.kl_base_mean.iloc[0] == 0.0  # iteration 0 samples from the base: KL exactly 0
+    assert metrics.kl_base_mean.iloc[1] > 0.0  # after an update the policy has moved away from the base
     adapter_0 = load_file(str(run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE))
     init = load_file(str(run.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE))
     assert any(not torch.equal(adapter_0[k], init[k]) for k in init)
@@ -80,7 +81,7 @@ def test_resume_after_an_interruption_recomputes_nothing_and_matches_an_uninterr
         attack.attack_run(config=cfg.model_dump(mode="json"))
     run = RunDir.open(tmp_path / "interrupted")
     assert run.manifest()["status"] == "failed"
-    assert run.stage_done(1, "score") and not run.stage_done(1, "advantage")
+    assert run.completed(SCORE, 1) and not run.completed(ADVANTAGE, 1)
     before = {p: sha256_file(p) for p in run.root.rglob("*.parquet")}
 
     crash_on_iteration_1.armed = False
@@ -95,9 +96,9 @@ def test_resume_after_an_interruption_recomputes_nothing_and_matches_an_uninterr
 
     straight = RunDir.open(tmp_path / "straight")
     assert str(straight.root) == reference_dir
-    for stage in ("sample", "score", "advantage"):
-        a = pd.read_parquet(straight.stage_path(1, stage)).drop(columns="run_id")
-        b = pd.read_parquet(run.stage_path(1, stage)).drop(columns="run_id")
+    for stage in (SAMPLE, SCORE, ADVANTAGE):
+        a = pd.read_parquet(straight.path(stage, 1)).drop(columns="run_id")
+        b = pd.read_parquet(run.path(stage, 1)).drop(columns="run_id")
         pd.testing.assert_frame_equal(a, b)
     a = load_file(str(straight.checkpoint_dir(1) / checkpoints.ADAPTER_FILE))
     b = load_file(str(run.checkpoint_dir(1) / checkpoints.ADAPTER_FILE))
@@ -108,8 +109,8 @@ def test_resume_after_an_interruption_recomputes_nothing_and_matches_an_uninterr
 def test_resume_with_a_changed_config_is_refused_naming_the_fields(tmp_path):
     cfg = _config(tmp_path, "changed", "run.iterations=1")
     attack.attack_run(config=cfg.model_dump(mode="json"))
-    changed = _config(tmp_path, "changed", "run.iterations=1", "training.kl_beta=0.5", "sampling.group_size=3")
-    with pytest.raises(RunDirError, match=r"differs .* in: sampling\.group_size, training\.kl_beta"):
+    changed = _config(tmp_path, "changed", "run.iterations=1", "reward.kl_weight=0.5", "sampling.group_size=3")
+    with pytest.raises(RunDirError, match=r"differs .* in: reward\.kl_weight, sampling\.group_size"):
         attack.attack_run(config=changed.model_dump(mode="json"), resume=str(tmp_path / "changed"))
     # extending a run is allowed
     longer = _config(tmp_path, "changed", "run.iterations=2")

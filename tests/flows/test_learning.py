@@ -14,6 +14,7 @@ import pytest
 from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks import advantage as advantage_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness", "embedded_assets")]
@@ -26,7 +27,7 @@ def _rewards(tmp_path, run_id, *overrides) -> pd.Series:
     cfg = load_config(None, [*ITERATIONS, f"run.runs_dir={tmp_path}", f"run.run_id={run_id}", *overrides])
     attack.attack_run(config=cfg.model_dump(mode="json"))
     run = RunDir.open(tmp_path / run_id)
-    metrics = pd.concat(pd.read_parquet(run.stage_path(i, "train_step")) for i in range(cfg.run.iterations))
+    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(cfg.run.iterations))
     assert metrics.ratio_mean.sub(1).abs().max() < 1e-5
     return metrics.reward_mean.reset_index(drop=True)
 

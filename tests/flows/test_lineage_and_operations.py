@@ -18,6 +18,7 @@ from redteam_grpo.flows.retrain import retrain
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.lineage import LineageError, read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks.artifacts import CONTENT_WARNING, artifact_key, examples_markdown, top_examples
 from tests.small_runs import SMALL_RUN
 
@@ -128,13 +129,13 @@ def test_each_iteration_publishes_metrics_top_examples_and_parquet_links(lineage
     links = _artifacts(artifact_key("gen0", "parquet"))
     assert [len(tables), len(notes), len(links)] == [2, 2, 2]
     last = json.loads(tables[-1].data) if isinstance(tables[-1].data, str) else tables[-1].data
-    metrics = schemas.read_table(first.stage_path(1, "train_step"), schemas.TRAIN_METRICS).to_pylist()[0]
+    metrics = schemas.read_table(first.path(TRAIN_STEP, 1), schemas.TRAIN_METRICS).to_pylist()[0]
     published = {row["metric"]: row["value"] for row in last}
     assert published["reward_mean"] == pytest.approx(metrics["reward_mean"])
     assert published["iteration"] == 1
     best = top_examples(
-        schemas.read_table(first.stage_path(1, "sample"), schemas.ROLLOUTS),
-        schemas.read_table(first.stage_path(1, "score"), schemas.SCORES),
+        schemas.read_table(first.path(SAMPLE, 1), schemas.ROLLOUTS),
+        schemas.read_table(first.path(SCORE, 1), schemas.SCORES),
         3,
     )
     markdown = notes[-1].data

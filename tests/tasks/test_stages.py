@@ -12,6 +12,7 @@ import pytest
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import ADVANTAGE, CHECKPOINT, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks import resources
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
@@ -40,7 +41,8 @@ def run(tmp_path):
 
 
 def _write(run, iteration, stage, table):
-    path = run.stage_path(iteration, stage)
+    """Put a table in place by hand (not recorded in the manifest, whatever its schema)."""
+    path = run.path(stage, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
 
@@ -54,17 +56,10 @@ def test_every_stage_output_is_read_back_by_the_next_stage(run):
         "advantage": advantage_stage.fn(root, 0),
         "train_step": train_step_stage.fn(root, 0),
     }
-    result = checkpoint_stage.fn(root, 0)
-    tables = {
-        stage: schemas.read_table(run.stage_path(0, stage), schema).to_pydict()
-        for stage, schema in [
-            ("sample", schemas.ROLLOUTS),
-            ("score", schemas.SCORES),
-            ("advantage", schemas.ADVANTAGES),
-            ("train_step", schemas.TRAIN_METRICS),
-        ]
-    }
-    assert all(str(run.stage_path(0, s)) == p for s, p in paths.items())
+    checkpoint_stage.fn(root, 0)
+    stages = {"sample": SAMPLE, "score": SCORE, "advantage": ADVANTAGE, "train_step": TRAIN_STEP}
+    tables = {name: run.read(stage, 0).to_pydict() for name, stage in stages.items()}
+    assert all(str(run.path(stages[s], 0)) == p for s, p in paths.items())
     keys = {
         s: list(zip(tables[s]["prompt_id"], tables[s]["sample_idx"], strict=True))
         for s in ("sample", "score", "advantage")
@@ -72,8 +67,8 @@ def test_every_stage_output_is_read_back_by_the_next_stage(run):
     assert keys["sample"] == keys["score"] == keys["advantage"] and len(set(keys["sample"])) == 6
     assert tables["score"]["reward"] == tables["advantage"]["reward"]
     assert [len(x) for x in tables["score"]["reference_logprobs"]] == tables["sample"]["completion_length"]
-    assert result["metrics"]["iteration"] == 0 and result["stop_reason"] is None
-    assert run.stage_done(0, "checkpoint")
+    assert tables["train_step"]["iteration"] == [0]
+    assert run.completed(CHECKPOINT, 0)
 
 
 def _rollouts(run, prompt_ids, completions, tokenizer):
@@ -108,9 +103,9 @@ def test_repetition_is_measured_on_completion_tokens_only(run):
     word = tok("the", add_special_tokens=False)["input_ids"]
     prompt_ids = word * 30
     completions = [tok(t, add_special_tokens=False)["input_ids"] for t in ("a b c d", "one two three", "x y z w v")]
-    _write(run, 0, "sample", _rollouts(run, prompt_ids, completions, tok))
+    _write(run, 0, SAMPLE, _rollouts(run, prompt_ids, completions, tok))
     score_stage.fn(str(run.root), 0)
-    scores = schemas.read_table(run.stage_path(0, "score"), schemas.SCORES).to_pydict()
+    scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert scores["repetition_ratio"] == [0.0, 0.0, 0.0]
     assert scores["kl"] == [0.0, 0.0, 0.0]  # the initial adapter is the base
 
@@ -131,12 +126,12 @@ def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
     monkeypatch.setattr(res.scoring, "score", one_missing)
     score_stage.fn(root, 0)
     advantage_stage.fn(root, 0)
-    adv = schemas.read_table(run.stage_path(0, "advantage"), schemas.ADVANTAGES).to_pydict()
+    adv = schemas.read_table(run.path(ADVANTAGE, 0), schemas.ADVANTAGES).to_pydict()
     assert adv["reward"][1] is None and adv["reward"][4] is None
     assert adv["advantage"][1] == 0.0 and adv["advantage"][4] == 0.0
     assert all(math.isfinite(a) for a in adv["advantage"])
     train_step_stage.fn(root, 0)
-    metrics = schemas.read_table(run.stage_path(0, "train_step"), schemas.TRAIN_METRICS).to_pylist()[0]
+    metrics = schemas.read_table(run.path(TRAIN_STEP, 0), schemas.TRAIN_METRICS).to_pylist()[0]
     assert metrics["n_invalid_rewards"] == 2
 
 
@@ -146,8 +141,8 @@ def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
     sample_stage.fn(root, 0)
     score_stage.fn(root, 0)
     advantage_stage.fn(root, 0)
-    table = pq.read_table(run.stage_path(0, "advantage"))
-    _write(run, 0, "advantage", table.slice(0, table.num_rows - 1))  # one advantage lost
+    table = pq.read_table(run.path(ADVANTAGE, 0))
+    _write(run, 0, ADVANTAGE, table.slice(0, table.num_rows - 1))  # one advantage lost
     with pytest.raises(JoinError, match="unmatched keys"):
         train_step_stage.fn(root, 0)
 
@@ -157,9 +152,9 @@ def test_a_renamed_column_between_stages_is_an_error_not_zeros(run):
     root = str(run.root)
     initialize_stage.fn(root)
     sample_stage.fn(root, 0)
-    table = pq.read_table(run.stage_path(0, "sample"))
+    table = pq.read_table(run.path(SAMPLE, 0))
     renamed = ["old_log_probs" if n == "sampling_logprobs" else n for n in table.column_names]
-    _write(run, 0, "sample", table.rename_columns(renamed))
+    _write(run, 0, SAMPLE, table.rename_columns(renamed))
     with pytest.raises(
         schemas.SchemaError, match=r"missing column 'sampling_logprobs'.*unexpected column 'old_log_probs'"
     ):
@@ -171,7 +166,7 @@ def test_a_group_with_a_missing_sample_is_refused(run):
     initialize_stage.fn(root)
     sample_stage.fn(root, 0)
     score_stage.fn(root, 0)
-    table = pq.read_table(run.stage_path(0, "score"))
-    _write(run, 0, "score", table.slice(1))
+    table = pq.read_table(run.path(SCORE, 0))
+    _write(run, 0, SCORE, table.slice(1))
     with pytest.raises(ValueError, match=r"expected 0\.\.2"):
         advantage_stage.fn(root, 0)

@@ -1,0 +1,63 @@
+import json
+
+import pyarrow as pa
+import pytest
+
+from redteam_grpo.core.config import load_config
+from redteam_grpo.storage import schemas
+from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
+from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ITERATION, BY_VIEW, SCORE
+
+
+@pytest.fixture
+def run(tmp_path):
+    return RunDir.create(load_config(None, [f"run.runs_dir={tmp_path}", "run.run_id=r"]))
+
+
+def _advantages(iteration: int) -> pa.Table:
+    return schemas.to_table(
+        {
+            "run_id": ["r"],
+            "iteration": [iteration],
+            "prompt_id": ["p"],
+            "sample_idx": [0],
+            "reward": [0.5],
+            "advantage": [0.0],
+        },
+        schemas.ADVANTAGES,
+        "advantages",
+    )
+
+
+def test_every_stage_is_declared_once_with_its_file_schema_and_view():
+    assert [s.name for s in ATTACK_ITERATION] == ["sample", "score", "advantage", "train_step", "checkpoint"]
+    assert sorted(BY_VIEW) == ["advantages", "metrics", "rollouts", "scores"]
+    assert BY_VIEW["metrics"].file == "train_metrics.parquet" and BY_VIEW["metrics"].schema is schemas.TRAIN_METRICS
+
+
+def test_the_manifest_answers_completed_by_stage_and_iteration(run):
+    for iteration in (2, 0):
+        path = run.write(ADVANTAGE, iteration, _advantages(iteration))
+        run.record_done(ADVANTAGE, iteration, [path], stats={"n_degenerate_groups": 1})
+    assert run.recorded_iterations(ADVANTAGE) == [0, 2] and run.recorded_iterations(SCORE) == []
+    assert run.completed(ADVANTAGE, 2)["stats"] == {"n_degenerate_groups": 1}
+    assert run.read(ADVANTAGE, 0).column("iteration").to_pylist() == [0]
+    run.path(ADVANTAGE, 2).write_bytes(b"changed")
+    assert run.completed(ADVANTAGE, 2) is None  # a file that changed after it was recorded is not completed
+    with pytest.raises(schemas.SchemaError, match="iteration 1"):
+        run.write(SCORE, 1, _advantages(1))  # another stage's table
+
+
+def test_checkpoint_names():
+    assert [checkpoint_name(v) for v in (-1, 0, 12)] == ["init", "iter_0000", "iter_0012"]
+
+
+def test_a_run_of_an_earlier_format_is_refused_naming_what_moved(run):
+    manifest = json.loads(run.manifest_path.read_text())
+    del manifest["format_version"]
+    run.manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(RunDirError) as err:
+        RunDir.open(run.root)
+    message = str(err.value)
+    assert "run format 1" in message and "training.kl_beta -> reward.kl_weight" in message
+    assert "kl_mean -> kl_base_mean" in message and "start a new run" in message
