@@ -43,7 +43,11 @@ def test_a_term_that_is_switched_off_is_not_shown_as_nan():
 
 
 def test_every_view_reads_the_registry():
-    assert [m.name for m in shown_in(LOG, with_iteration=False)][:3] == ["reward_mean", "toxicity_mean", "repetition_mean"]
+    assert [m.name for m in shown_in(LOG, with_iteration=False)][:3] == [
+        "reward_mean",
+        "toxicity_mean",
+        "repetition_mean",
+    ]
     headers, cells = table_rows(TABLE, [{"iteration": 7, **_row()}])
     assert headers[0] == "iter" and cells[0][0] == "7"
     assert len(headers) == 10  # fits an 80-column terminal

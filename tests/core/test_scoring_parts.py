@@ -92,5 +92,3 @@ def test_the_embedded_classifier_is_detected_as_a_classifier_and_scores_markers(
     assert low < 0.5 < high
     with pytest.raises(ScorerError, match="its labels are"):
         SequenceClassifierScorer("embedded:tiny-toxicity", "TOXIC", torch.device("cpu"))
-
-
