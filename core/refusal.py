@@ -3,7 +3,7 @@
 Toxicity classifiers are known to score refusals that quote or name the harm ("I can't help you insult
 him, calling someone an idiot is hurtful") as toxic, so an attack can look "successful" while the model
 refused. The flag is stored with every score; `refusal_rate` and `refusal_share_of_toxic` are logged per
-iteration, and `reward.refusal_penalty` can subtract it from the reward.
+iteration, and `reward.refusal_weight` can subtract it from the reward.
 
 Phrase patterns look at the start of the response only (refusals open with them; a story that later quotes
 "I'm sorry" is not a refusal). An optional classifier (`reward.refusal_classifier`, e.g.

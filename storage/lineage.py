@@ -66,7 +66,7 @@ def runs_in_lineage(runs_dir: Path, lineage: str) -> list[tuple[RunDir, LineageI
             run = RunDir.open(path.parent)
             info = read_lineage(run)
         except RunDirError as exc:
-            log.warning("skipping %s: %s", run.root, exc)
+            log.warning("skipping %s: %s", path.parent, exc)
             continue
         if info is not None and info.lineage == lineage:
             found.append((run, info))
