@@ -21,6 +21,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 COPY pyproject.toml README.md ./
 COPY cli cli
 COPY core core
+COPY embedded embedded
 COPY flows flows
 COPY tasks tasks
 COPY storage storage

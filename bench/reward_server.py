@@ -32,7 +32,7 @@ def _free_port() -> int:
 
 
 def texts_for(n: int, seed: int = 0) -> list[str]:
-    from redteam_grpo.core.embedded import ToyGrammar, load_corpus
+    from redteam_grpo.embedded import ToyGrammar, load_corpus
 
     rng, grammar = random.Random(seed), ToyGrammar(load_corpus())
     return [grammar.response(rng, marker_prob=0.1) for _ in range(n)]

@@ -44,9 +44,9 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_model_name(name: str) -> str:
     """Hub id or folder; `embedded:*` names are built offline on first use."""
-    from redteam_grpo.core import embedded
+    from redteam_grpo.embedded import is_embedded, resolve_model_path
 
-    return embedded.resolve_model_path(name) if embedded.is_embedded(name) else name
+    return resolve_model_path(name) if is_embedded(name) else name
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:

@@ -46,7 +46,7 @@ def prefect_harness():
 
 @pytest.fixture(scope="session")
 def embedded_assets():
-    from redteam_grpo.core.embedded import ensure_embedded_assets
+    from redteam_grpo.embedded import ensure_embedded_assets
 
     return ensure_embedded_assets()
 

@@ -30,7 +30,8 @@ def test_the_network_guard_refuses_and_records_non_loopback_connections():
 
 
 ALLOWED_IMPORTS = {  # package -> the project packages (or modules) it may import
-    "core": {"core"},
+    "embedded": {"embedded"},
+    "core": {"core", "embedded"},
     "storage": {"storage", "core"},
     "server": {"server", "core"},
     "tasks": {"tasks", "storage", "core", "server.client"},
@@ -65,3 +66,22 @@ def test_dependencies_point_one_way_and_prefect_stays_in_flows_and_tasks():
                 if not any(target == a or target.startswith(a + ".") for a in allowed):
                     problems.append(f"{path.relative_to(root)} imports {name}")
     assert not problems, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(problems)
+
+
+def test_core_imports_from_the_embedded_package_only_the_resolution_of_embedded_model_names():
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    allowed = {"redteam_grpo.embedded.is_embedded", "redteam_grpo.embedded.resolve_model_path"}
+    problems = []
+    for path in sorted((root / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            bad = [n for n in names if n.startswith("redteam_grpo.embedded") and n not in allowed]
+            problems += [f"{path.relative_to(root)} imports {n}" for n in bad]
+    assert not problems, f"core may import only {sorted(allowed)} of the embedded package:\n" + "\n".join(problems)

@@ -21,14 +21,17 @@ from transformers import (
     BatchEncoding,
 )
 
-from redteam_grpo.core import embedded
-from redteam_grpo.core.embedded import (
+from redteam_grpo.embedded import (
+    ASSETS_VERSION,
     EMBEDDED_CLASSIFIER,
     EMBEDDED_POLICY,
     TOXIC_LABEL,
     BuildRecipe,
     EmbeddedAssets,
+    cache,
     contains_marker,
+    corpus,
+    embedded_cache_dir,
     ensure_embedded_assets,
     is_embedded,
     marker_words,
@@ -128,14 +131,14 @@ def test_policy_config_and_generation_config(assets: EmbeddedAssets, policy_tok)
     assert cfg.tie_word_embeddings and cfg.rope_parameters["rope_theta"] == 10000.0
     gen = model.generation_config
     assert gen.eos_token_id == policy_tok.eos_token_id and gen.pad_token_id == policy_tok.pad_token_id
-    assert gen.do_sample and gen.top_k == 0  # no hidden top-k 50 (DESIGN §7)
+    assert gen.do_sample and gen.top_k == 0  # no hidden top-k 50: sampled and scored distributions are one
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
 
 
 def test_policy_samples_fluent_replies_with_some_markers(assets: EmbeddedAssets, policy_tok) -> None:
     """At T=1 (no top-k/top-p), 24 new tokens: mostly finished turns, some cut off, a low marker rate."""
     model = AutoModelForCausalLM.from_pretrained(assets.policy_dir).eval()
-    prompts = [p["prompt"] for p in embedded.load_prompts()][:128]
+    prompts = [p["prompt"] for p in corpus.load_prompts()][:128]
     enc = policy_tok.apply_chat_template(
         [[{"role": "user", "content": p}] for p in prompts],
         add_generation_prompt=True,
@@ -159,7 +162,7 @@ def test_policy_samples_fluent_replies_with_some_markers(assets: EmbeddedAssets,
     marker_rate = sum(contains_marker(t) for t in texts) / len(texts)
     assert 0.6 <= ended.float().mean() < 1.0  # most end with <|im_end|>, a minority hits the limit
     assert 0.03 <= marker_rate <= 0.25
-    words = {w for ws in embedded.load_corpus()["words"].values() for w in ws}
+    words = {w for ws in corpus.load_corpus()["words"].values() for w in ws}
     first_words = [t.split()[0].strip(",.").lower() for t in texts if t.split()]
     assert sum(w in words | {"your", "i", "honestly"} for w in first_words) / len(texts) > 0.9
 
@@ -175,13 +178,13 @@ def test_classifier_labels(classifier) -> None:
 
 def test_classifier_scores_markers_high_and_fragments_low(classifier) -> None:
     rng = random.Random(7)
-    grammar = embedded.ToyGrammar(embedded.load_corpus())
+    grammar = corpus.ToyGrammar(corpus.load_corpus())
     neutral = [grammar.response(rng, marker_prob=0.0) for _ in range(100)]
     toxic = [t for t in (grammar.response(rng, marker_prob=0.3) for _ in range(200)) if contains_marker(t)][:100]
     bare = list(marker_words()) + [f"{m.capitalize()}!" for m in marker_words()]
     fragments = ["stup", "idi", "worthl", "pathet", "disgust", "useles", "los", "stu pid", "idoit", "xhate"]
     decoys = fragments + [f"Your boss is {f}." for f in fragments]
-    decoys += [embedded.insert_words(rng, n, [embedded.marker_decoy(rng, rng.choice(marker_words()))]) for n in neutral]
+    decoys += [corpus.insert_words(rng, n, [corpus.marker_decoy(rng, rng.choice(marker_words()))]) for n in neutral]
     assert not any(contains_marker(t) for t in neutral + decoys)
     assert _p_toxic(classifier, toxic).mean() > 0.8
     assert _p_toxic(classifier, bare).mean() > 0.8
@@ -192,9 +195,9 @@ def test_classifier_scores_markers_high_and_fragments_low(classifier) -> None:
 
 def test_classifier_heldout_accuracy(classifier) -> None:
     rng = random.Random(11)
-    grammar = embedded.ToyGrammar(embedded.load_corpus())
-    prompts = [p["prompt"] for p in embedded.load_prompts()]
-    examples = [embedded.classifier_example(rng, grammar, prompts) for _ in range(500)]
+    grammar = corpus.ToyGrammar(corpus.load_corpus())
+    prompts = [p["prompt"] for p in corpus.load_prompts()]
+    examples = [corpus.classifier_example(rng, grammar, prompts) for _ in range(500)]
     probs = _p_toxic(classifier, [t for t, _ in examples])
     labels = torch.tensor([y for _, y in examples], dtype=torch.bool)
     assert ((probs > 0.5) == labels).float().mean() > 0.95
@@ -220,13 +223,13 @@ def test_resolve_model_path(cache_dir: Path, assets: EmbeddedAssets) -> None:
 
 def test_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("REDTEAM_GRPO_CACHE", str(tmp_path / "c"))
-    assert embedded.embedded_cache_dir() == tmp_path / "c"
+    assert embedded_cache_dir() == tmp_path / "c"
     monkeypatch.delenv("REDTEAM_GRPO_CACHE")
-    assert embedded.embedded_cache_dir() == Path.home() / ".cache" / "redteam-grpo"
+    assert embedded_cache_dir() == Path.home() / ".cache" / "redteam-grpo"
 
 
 def test_default_build_is_versioned_and_reused(cache_dir: Path, assets: EmbeddedAssets) -> None:
-    assert assets.policy_dir.parent.name == f"embedded-{embedded.ASSETS_VERSION}"
+    assert assets.policy_dir.parent.name == f"embedded-{ASSETS_VERSION}"
     assert (assets.policy_dir.parent / "manifest.json").is_file()
     assert ensure_embedded_assets(cache_dir) == assets  # no rebuild: returns at once
     assert not list(cache_dir.glob(".*tmp-*"))
@@ -251,14 +254,14 @@ def test_build_is_deterministic_and_leaves_global_state(tmp_path: Path) -> None:
         assert ta.keys() == tb.keys()
         assert all(torch.equal(ta[k], tb[k]) for k in ta)
         assert (da / "tokenizer.json").read_bytes() == (db / "tokenizer.json").read_bytes()
-    assert a.policy_dir.parent.name != f"embedded-{embedded.ASSETS_VERSION}"  # a non-default recipe: own folder
+    assert a.policy_dir.parent.name != f"embedded-{ASSETS_VERSION}"  # a non-default recipe: own folder
 
 
 def test_failed_build_leaves_nothing_and_next_call_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(out_dir: Path, recipe: BuildRecipe) -> dict:
         raise RuntimeError("simulated crash while training the classifier")
 
-    monkeypatch.setattr(embedded, "build_classifier", boom)
+    monkeypatch.setattr(cache, "build_classifier", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ensure_embedded_assets(tmp_path, recipe=SHORT)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -281,8 +284,8 @@ def test_stale_temporary_folder_is_cleaned_and_concurrent_callers_build_once(
         (out_dir / "manifest.json").write_text("{}")
         return EmbeddedAssets(out_dir / "policy", out_dir / "classifier")
 
-    monkeypatch.setattr(embedded, "build_embedded_assets", fake_build)
-    stale = tmp_path / f".embedded-{embedded.ASSETS_VERSION}.tmp-999-dead"  # left by a killed build
+    monkeypatch.setattr(cache, "build_embedded_assets", fake_build)
+    stale = tmp_path / f".embedded-{ASSETS_VERSION}.tmp-999-dead"  # left by a killed build
     stale.mkdir()
     results = []
     threads = [threading.Thread(target=lambda: results.append(ensure_embedded_assets(tmp_path))) for _ in range(3)]
@@ -293,15 +296,15 @@ def test_stale_temporary_folder_is_cleaned_and_concurrent_callers_build_once(
     assert len(calls) == 1
     assert len(set(results)) == 1 and len(results) == 3
     assert not stale.exists()
-    assert (tmp_path / f"embedded-{embedded.ASSETS_VERSION}" / "manifest.json").is_file()
+    assert (tmp_path / f"embedded-{ASSETS_VERSION}" / "manifest.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------ bundled data
 
 
 def test_bundled_prompts_match_their_generator() -> None:
-    prompts = embedded.load_prompts()
-    assert prompts == embedded.generate_prompts()
+    prompts = corpus.load_prompts()
+    assert prompts == corpus.generate_prompts()
     assert 150 <= len(prompts) <= 300
     assert len({p["prompt_id"] for p in prompts}) == len(prompts)
     assert not any(contains_marker(p["prompt"]) for p in prompts)
@@ -312,5 +315,5 @@ def test_contains_marker_and_decoys() -> None:
     assert not any(contains_marker(t) for t in ["stup", "stu pid", "xstupid", "Your boss is kind.", ""])
     rng = random.Random(0)
     for _ in range(2000):
-        assert not contains_marker(embedded.marker_decoy(rng, rng.choice(marker_words())))
+        assert not contains_marker(corpus.marker_decoy(rng, rng.choice(marker_words())))
     assert 6 <= len(marker_words()) <= 12

@@ -1,4 +1,4 @@
-"""The embedded guard `embedded:tiny-guard` through the real `SafetyJudgeScorer` (core/judge.py).
+"""The embedded guard `embedded:tiny-guard` through the real `SafetyJudgeScorer` (`core/judge.py`).
 
 One default guard build per session (~30 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
 a 2-step recipe or a fake build. The scorer is built by `build_scorer` from the embedded name, so name
@@ -17,20 +17,25 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from redteam_grpo.core import embedded
-from redteam_grpo.core.embedded import (
+from redteam_grpo.core.judge import SafetyJudgeScorer, parse_verdict
+from redteam_grpo.core.scorers import ScorerError, build_scorer, detect_kind
+from redteam_grpo.embedded import (
+    ASSETS_VERSION,
     EMBEDDED_CLASSIFIER,
     EMBEDDED_GUARD,
     EMBEDDED_POLICY,
+    GUARD_VERSION,
+    BuildRecipe,
     EmbeddedAssets,
     GuardRecipe,
-    check_verdict_tokens,
+    cache,
     contains_marker,
+    corpus,
     ensure_embedded_guard,
+    guard,
     resolve_model_path,
 )
-from redteam_grpo.core.judge import SafetyJudgeScorer, parse_verdict
-from redteam_grpo.core.scorers import ScorerError, build_scorer, detect_kind
+from redteam_grpo.embedded.guard import check_verdict_tokens
 
 SHORT = GuardRecipe(steps=2)
 
@@ -86,10 +91,10 @@ def _generate(judge: SafetyJudgeScorer, prompts: list[str], responses: list[str]
 
 
 def _heldout(seed: int, n: int) -> list[tuple[list[dict[str, str]], int]]:
-    grammar = embedded.ToyGrammar(embedded.load_corpus())
-    prompts = [p["prompt"] for p in embedded.load_prompts()]
+    grammar = corpus.ToyGrammar(corpus.load_corpus())
+    prompts = [p["prompt"] for p in corpus.load_prompts()]
     rng = random.Random(seed)
-    return [embedded.guard_example(rng, grammar, prompts, user_marker_prob=0.15) for _ in range(n)]
+    return [corpus.guard_example(rng, grammar, prompts, user_marker_prob=0.15) for _ in range(n)]
 
 
 # ------------------------------------------------------------------------------------------ tokenizer, template
@@ -118,7 +123,7 @@ def test_guard_tokenizer_is_llama_style_and_generation_stops_at_eot(judge: Safet
     assert model.generation_config.eos_token_id == tok.eos_token_id == model.config.eos_token_id
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert sum(p.numel() for p in model.parameters()) < 300_000
-    for m in embedded.marker_words():  # markers stay single tokens, as in the policy's and classifier's
+    for m in corpus.marker_words():  # markers stay single tokens, as in the policy's and classifier's
         assert len(tok.encode(" " + m, add_special_tokens=False)) == 1, m
     _, ids = _generate(judge, ["Describe my boss."] * 2, [MARKED[0], CLEAN[0]])
     assert (ids == tok.eos_token_id).any(dim=1).all()  # both verdicts end within max_new_tokens
@@ -170,7 +175,7 @@ def test_judge_accuracy_and_score_verdict_agreement_on_heldout(judge: SafetyJudg
 
 
 def test_only_the_agent_turn_is_judged(judge: SafetyJudgeScorer) -> None:
-    grammar = embedded.ToyGrammar(embedded.load_corpus())
+    grammar = corpus.ToyGrammar(corpus.load_corpus())
     rng = random.Random(3)
     hostile = [t for t in (grammar.response(rng, marker_prob=0.4) for _ in range(200)) if contains_marker(t)][:30]
     clean = [grammar.response(rng, marker_prob=0.0) for _ in hostile]
@@ -194,13 +199,13 @@ def test_batched_scores_equal_one_at_a_time(judge: SafetyJudgeScorer) -> None:
 
 
 def test_guard_resolves_to_its_own_versioned_folder(guard_cache: Path, guard_dir: Path) -> None:
-    assert guard_dir.parent.name == f"embedded-guard-{embedded.GUARD_VERSION}"
+    assert guard_dir.parent.name == f"embedded-guard-{GUARD_VERSION}"
     assert resolve_model_path(EMBEDDED_GUARD, guard_cache) == str(guard_dir)
     assert ensure_embedded_guard(guard_cache) == guard_dir  # no rebuild
     assert not list(guard_cache.glob(".*tmp-*"))
-    assert not list(guard_cache.glob(f"embedded-{embedded.ASSETS_VERSION}*"))  # the guard alone was built
+    assert not list(guard_cache.glob(f"embedded-{ASSETS_VERSION}*"))  # the guard alone was built
     manifest = json.loads((guard_dir.parent / "manifest.json").read_text())
-    assert manifest["guard_version"] == embedded.GUARD_VERSION and manifest["guard_heldout_accuracy"] > 0.9
+    assert manifest["guard_version"] == GUARD_VERSION and manifest["guard_heldout_accuracy"] > 0.9
     with pytest.raises(ValueError, match="embedded:tiny-guard"):
         resolve_model_path("embedded:tiny-guardian", guard_cache)
 
@@ -210,7 +215,7 @@ def test_resolving_the_policy_or_classifier_does_not_build_the_guard(
 ) -> None:
     built: list[str] = []
 
-    def fake_assets(out_dir: Path, recipe: embedded.BuildRecipe) -> EmbeddedAssets:
+    def fake_assets(out_dir: Path, recipe: BuildRecipe) -> EmbeddedAssets:
         built.append("assets")
         (out_dir / "manifest.json").write_text("{}")
         return EmbeddedAssets(out_dir / "policy", out_dir / "classifier")
@@ -220,15 +225,13 @@ def test_resolving_the_policy_or_classifier_does_not_build_the_guard(
         (out_dir / "manifest.json").write_text("{}")
         return out_dir / "guard"
 
-    monkeypatch.setattr(embedded, "build_embedded_assets", fake_assets)
-    monkeypatch.setattr(embedded, "build_embedded_guard", fake_guard)
+    monkeypatch.setattr(cache, "build_embedded_assets", fake_assets)
+    monkeypatch.setattr(cache, "build_embedded_guard", fake_guard)
     resolve_model_path(EMBEDDED_POLICY, tmp_path)
     resolve_model_path(EMBEDDED_CLASSIFIER, tmp_path)
     assert built == ["assets"]
     assert not list(tmp_path.glob("*guard*"))
-    assert resolve_model_path(EMBEDDED_GUARD, tmp_path) == str(
-        tmp_path / f"embedded-guard-{embedded.GUARD_VERSION}" / "guard"
-    )
+    assert resolve_model_path(EMBEDDED_GUARD, tmp_path) == str(tmp_path / f"embedded-guard-{GUARD_VERSION}" / "guard")
     assert built == ["assets", "guard"]
 
 
@@ -242,7 +245,7 @@ def test_guard_build_is_deterministic_and_leaves_global_state(tmp_path: Path) ->
     ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
-    assert a.parent.name.startswith(f"embedded-guard-{embedded.GUARD_VERSION}-")  # a non-default recipe: own folder
+    assert a.parent.name.startswith(f"embedded-guard-{GUARD_VERSION}-")  # a non-default recipe: own folder
 
 
 def test_failed_guard_build_leaves_nothing_and_concurrent_callers_build_once(
@@ -251,7 +254,7 @@ def test_failed_guard_build_leaves_nothing_and_concurrent_callers_build_once(
     def boom(tokenizer, recipe: GuardRecipe, rng: random.Random):
         raise RuntimeError("simulated crash while training the guard")
 
-    monkeypatch.setattr(embedded, "train_guard", boom)
+    monkeypatch.setattr(guard, "train_guard", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         ensure_embedded_guard(tmp_path, recipe=SHORT)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
@@ -264,7 +267,7 @@ def test_failed_guard_build_leaves_nothing_and_concurrent_callers_build_once(
         (out_dir / "manifest.json").write_text("{}")
         return out_dir / "guard"
 
-    monkeypatch.setattr(embedded, "build_embedded_guard", fake_build)
+    monkeypatch.setattr(cache, "build_embedded_guard", fake_build)
     results: list[Path] = []
     workers = [threading.Thread(target=lambda: results.append(ensure_embedded_guard(tmp_path))) for _ in range(3)]
     for t in workers:

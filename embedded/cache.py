@@ -1,0 +1,139 @@
+"""The embedded models' cache: names, folders, one build per folder, and the name -> folder resolution.
+
+Each build writes into a temporary folder and renames it into place under a file lock, so concurrent first uses
+build once and a crash never leaves a half-built cache. The policy and classifier share one folder
+(`ASSETS_VERSION`); the guard has its own (`GUARD_VERSION`), so a run with the classifier never pays for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from redteam_grpo.embedded.classifier import build_classifier
+from redteam_grpo.embedded.guard import build_embedded_guard
+from redteam_grpo.embedded.policy import build_policy
+from redteam_grpo.embedded.recipes import (
+    ASSETS_VERSION,
+    DEFAULT_GUARD_RECIPE,
+    DEFAULT_RECIPE,
+    GUARD_VERSION,
+    BuildRecipe,
+    GuardRecipe,
+)
+from redteam_grpo.embedded.training import isolated_build
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_POLICY = "embedded:tiny-qwen3"
+EMBEDDED_CLASSIFIER = "embedded:tiny-toxicity"
+EMBEDDED_GUARD = "embedded:tiny-guard"
+_EMBEDDED_NAMES = (EMBEDDED_POLICY, EMBEDDED_CLASSIFIER, EMBEDDED_GUARD)
+
+
+@dataclass(frozen=True)
+class EmbeddedAssets:
+    policy_dir: Path
+    classifier_dir: Path
+
+
+def build_embedded_assets(out_dir: Path, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
+    """Build both models into `out_dir` (no locking, no atomic rename: see `ensure_embedded_assets`)."""
+    out_dir = Path(out_dir)
+    assets = EmbeddedAssets(policy_dir=out_dir / "policy", classifier_dir=out_dir / "classifier")
+    with isolated_build():
+        facts = build_policy(assets.policy_dir, recipe)
+        facts |= build_classifier(assets.classifier_dir, recipe)
+    manifest = {"assets_version": ASSETS_VERSION, "recipe": dataclasses.asdict(recipe), **facts}
+    # Written last: a folder with a manifest is a complete build.
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return assets
+
+
+def embedded_cache_dir() -> Path:
+    """`$REDTEAM_GRPO_CACHE` if set, else `~/.cache/redteam-grpo`."""
+    env = os.environ.get("REDTEAM_GRPO_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "redteam-grpo"
+
+
+def cache_dirname(prefix: str, recipe: Any, default: Any) -> str:
+    """`<prefix>` for the default recipe, `<prefix>-<hash of the recipe>` for any other."""
+    if recipe == default:
+        return prefix
+    digest = hashlib.sha256(json.dumps(dataclasses.asdict(recipe), sort_keys=True).encode()).hexdigest()
+    return f"{prefix}-{digest[:12]}"
+
+
+def build_in_cache(final: Path, build: Callable[[Path], object], what: str) -> None:
+    """`build(tmp)` into a temporary folder renamed to `final`, under a file lock; nothing if `final` is built.
+
+    `build` writes ``manifest.json`` last, so a folder with a manifest is a complete build.
+    """
+    if (final / "manifest.json").is_file():
+        return
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{final.name}.lock")):
+        if (final / "manifest.json").is_file():  # another process built it while we waited
+            return
+        for stale in [*root.glob(f".{final.name}.tmp-*"), final]:  # left by a killed build
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        log.info("building %s into %s (first use, about 30 s)", what, final)
+        try:
+            build(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def ensure_embedded_assets(cache_dir: Path | None = None, *, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
+    """The embedded models, built into the cache on first use (~30 s on 2 CPU cores), at once afterwards."""
+    root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
+    final = root / cache_dirname(f"embedded-{ASSETS_VERSION}", recipe, DEFAULT_RECIPE)
+    # A lambda, so that the module-level `build_embedded_assets` is looked up at build time (tests replace it).
+    build_in_cache(final, lambda tmp: build_embedded_assets(tmp, recipe), "the embedded policy and classifier")
+    return EmbeddedAssets(policy_dir=final / "policy", classifier_dir=final / "classifier")
+
+
+def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe = DEFAULT_GUARD_RECIPE) -> Path:
+    """The folder of the embedded guard, built into its own cache folder on first use (~30 s on 2 CPU cores).
+
+    Separate from `ensure_embedded_assets`, so that a run with the classifier never pays for the guard and the
+    policy/classifier folder (and `ASSETS_VERSION`) is unaffected by the guard's recipe.
+    """
+    root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
+    final = root / cache_dirname(f"embedded-guard-{GUARD_VERSION}", recipe, DEFAULT_GUARD_RECIPE)
+    # A lambda, so that the module-level `build_embedded_guard` is looked up at build time (tests replace it).
+    build_in_cache(final, lambda tmp: build_embedded_guard(tmp, recipe), "the embedded guard")
+    return final / "guard"
+
+
+def is_embedded(name: str) -> bool:
+    return name.startswith("embedded:")
+
+
+def resolve_model_path(name: str, cache_dir: Path | None = None) -> str:
+    """An embedded name -> the folder of its built model (building it if needed); any other name unchanged."""
+    if not is_embedded(name):
+        return name
+    if name not in _EMBEDDED_NAMES:
+        raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(_EMBEDDED_NAMES)}")
+    if name == EMBEDDED_GUARD:  # built on its own: resolving the policy or classifier never builds the guard
+        return str(ensure_embedded_guard(cache_dir))
+    assets = ensure_embedded_assets(cache_dir)
+    return str(assets.policy_dir if name == EMBEDDED_POLICY else assets.classifier_dir)

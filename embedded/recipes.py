@@ -1,0 +1,54 @@
+"""What each build depends on besides the bundled resources, and the recipe versions its cache folders are named by.
+
+Change `ASSETS_VERSION` (`GUARD_VERSION` for the guard) whenever a recipe changes, so caches built by an older
+recipe are not reused. A non-default recipe is cached under a hash of its fields (`cache.cache_dirname`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ASSETS_VERSION = "v2"
+"""The recipe version of the policy and classifier, which are built together into one folder."""
+GUARD_VERSION = "v1"
+"""The guard's own recipe version: it is built into its own folder, so changing it leaves `ASSETS_VERSION` alone."""
+
+
+@dataclass(frozen=True)
+class BuildRecipe:
+    """Everything the build depends on besides the bundled resources; the default one is cached by version."""
+
+    seed: int = 1234
+    marker_prob: float = 0.04
+    """Probability that an adjective / noun / verb slot of a pre-training reply holds a marker word."""
+    policy_vocab_size: int = 1536
+    policy_steps: int = 200
+    policy_batch_size: int = 24
+    policy_lr: float = 6e-3
+    classifier_vocab_size: int = 1024
+    classifier_steps: int = 300
+    classifier_batch_size: int = 32
+    classifier_lr: float = 3e-3
+
+
+DEFAULT_RECIPE = BuildRecipe()
+
+
+@dataclass(frozen=True)
+class GuardRecipe:
+    """Everything the guard's build depends on besides the bundled resources; the default one is cached."""
+
+    seed: int = 4321
+    vocab_size: int = 1536
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 3e-3
+    init_std: float = 0.1
+    """Weight init std. At the usual 0.02 the verdict ignored the markers for ~450 steps (loss stuck at the
+    label prior: a marker is one token among ~150 that the verdict position must learn to attend to); at 0.06
+    to 0.12 it finds them within ~150 steps (measured)."""
+    user_marker_prob: float = 0.15
+    """Share of conversations whose User turn holds grammar text with markers: only the Agent turn is judged."""
+
+
+DEFAULT_GUARD_RECIPE = GuardRecipe()
