@@ -17,7 +17,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.metrics import METRICS
+from redteam_grpo.core.metrics import ITERATION, METRICS
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, TABLE_STAGES
 
@@ -86,7 +86,7 @@ def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top
     create_table_artifact(
         [
             {"metric": m.name, "value": _number(metrics[m.name]), "description": m.description}
-            for m in METRICS
+            for m in (ITERATION, *METRICS)
             if not (isinstance(metrics[m.name], float) and math.isnan(metrics[m.name]))
         ],
         key=artifact_key(rid, "metrics"),

@@ -153,7 +153,7 @@ def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir
     for policy in ("base", "adapter"):
         assert float(rows[policy][1]) == pytest.approx(frame[frame.policy == policy].success.mean(), abs=1e-4)
     code, out = _cli("evaluate", run_dir, "--iteration", "7")
-    assert code == 2 and "completed iterations: [0, 1]" in out
+    assert code == 2 and "iter_0007 is not a complete checkpoint" in out and "completed checkpoints: [0, 1]" in out
 
 
 def test_list_columns_are_json_in_csv(run_dir, tmp_path):
