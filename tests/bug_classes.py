@@ -66,8 +66,8 @@ BUG_CLASSES = [
     (
         "repetition counts prompt (bug 8)",
         "tasks/score.py",
-        "repetition = repetition_ratios(completion_ids, cfg.reward.repetition_ngram)",
-        "repetition = repetition_ratios([p + c for p, c in zip(prompt_ids, completion_ids)], cfg.reward.repetition_ngram)",
+        "repetition = repetition_ratios(completion_ids, r.repetition_ngram)",
+        "repetition = repetition_ratios([p + c for p, c in zip(prompt_ids, completion_ids)], r.repetition_ngram)",
         "tests/tasks/test_stages.py::test_repetition_is_measured_on_completion_tokens_only",
     ),
     (
