@@ -65,3 +65,28 @@ def test_dependencies_point_one_way_and_prefect_stays_in_flows_and_tasks():
                 if not any(target == a or target.startswith(a + ".") for a in allowed):
                     problems.append(f"{path.relative_to(root)} imports {name}")
     assert not problems, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(problems)
+
+
+def test_the_bug_class_catalogue_and_the_harness_name_the_same_classes_and_tests():
+    import re
+
+    from tests.bug_classes import BUG_CLASSES
+
+    text = (ROOT / "docs" / "bug-classes.md").read_text()
+    # Every `###` heading is a class; the text up to the next heading is its entry.
+    parts = re.split(r"^(#{1,3}) (.+?)\s*$", text, flags=re.MULTILINE)
+    headings = [(level, title, body) for level, title, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True)]
+    sections = {title: body for level, title, body in headings if level == "###"}
+    names = [name for name, *_ in BUG_CLASSES]
+    assert len(set(names)) == len(names), "a class name is used twice in tests/bug_classes.py"
+    assert len(sections) == sum(level == "###" for level, _, _ in headings), "a heading is used twice"
+    assert [n for n in names if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", n)] == [], "names are kebab-case"
+    assert sorted(set(names) - set(sections)) == [], "harness entries without a section in docs/bug-classes.md"
+    assert sorted(set(sections) - set(names)) == [], "sections of docs/bug-classes.md without a harness entry"
+    unnamed = [
+        f"{name}: {test}"
+        for name, _, _, _, tests in BUG_CLASSES
+        for test in tests.split()
+        if name in sections and f"`{test}`" not in sections[name]
+    ]
+    assert unnamed == [], "tests the harness runs for a class that its section does not name"
