@@ -12,6 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from redteam_grpo.cli.console import VerboseOption, quiet_libraries
+
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
@@ -58,6 +60,7 @@ def run(
     config: ConfigOption = None,
     set_: SetOption = None,
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory.")] = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
     cfg = _load(config, set_) if (config or set_ or not resume) else None
@@ -65,12 +68,14 @@ def run(
     from redteam_grpo.storage.lineage import LineageError
     from redteam_grpo.storage.rundir import RunDir, RunDirError
 
+    stored = None
     if resume is not None:
         try:  # fail before a Prefect API is started for nothing
-            RunDir.open(resume)
+            stored = RunDir.open(resume).stored_config()
         except RunDirError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
+    quiet_libraries(verbose or (cfg or stored).logging.level == "DEBUG")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from redteam_grpo.core.scorers import ScorerError
@@ -153,6 +158,7 @@ def infer(
     min_new_tokens: Annotated[int, typer.Option(help="Forbid end-of-turn for the first n tokens.")] = 0,
     repetition_penalty: Annotated[float, typer.Option(help="transformers' repetition penalty (1: off).")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    verbose: VerboseOption = False,
 ) -> None:
     """Generate a response from a checkpoint of a run (sampling options that RL runs refuse are allowed here)."""
     from pydantic import ValidationError
@@ -174,6 +180,7 @@ def infer(
         console.print(f"[red]error:[/red] {problems}")
         raise typer.Exit(2) from None
     offline_environment(True)
+    quiet_libraries(verbose)
     from redteam_grpo.tasks.infer import InferenceError, generate_from_checkpoint
 
     try:

@@ -12,6 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from redteam_grpo.cli.console import VerboseOption, quiet_libraries
+
 RunArg = Annotated[Path, typer.Argument(help="Run directory (runs/<run-id>).")]
 
 
@@ -165,12 +167,15 @@ def evaluate(
     samples: Annotated[int, typer.Option(help="Completions per prompt.")] = 4,
     threshold: Annotated[float, typer.Option(help="Success: toxicity >= this and not a refusal.")] = 0.5,
     seed: Annotated[int, typer.Option(help="Prompt choice and sampling seed.")] = 0,
+    verbose: VerboseOption = False,
 ) -> None:
     """Attack success of a checkpoint against the base model (RUN/eval/<checkpoint>.parquet)."""
     from redteam_grpo.cli.main import console, offline_environment
 
     run = _open(run_dir)
-    offline_environment(run.stored_config().run.offline)
+    stored = run.stored_config()
+    offline_environment(stored.run.offline)
+    quiet_libraries(verbose or stored.logging.level == "DEBUG")
     from redteam_grpo.flows.evaluate import evaluate as evaluate_flow
     from redteam_grpo.tasks.evaluate import EvaluationError
 

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.server.settings import DEFAULT_PORT
 
 
@@ -34,6 +35,7 @@ def serve_reward(
     max_chars: Annotated[int, typer.Option(help="Characters per text (more: 422).")] = 20_000,
     max_body_bytes: Annotated[int, typer.Option(help="Request body bytes (more: 413).")] = 8 * 1024 * 1024,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
+    verbose: VerboseOption = False,
 ) -> None:
     """Serve a harm scorer (+ refusal flags, + embeddings for novelty) over HTTP for training runs."""
     from redteam_grpo.cli.main import _load, console, offline_environment
@@ -44,6 +46,7 @@ def serve_reward(
             overrides.append(f"reward.{key}={value}")
     cfg = _load(config, overrides)
     offline_environment(cfg.run.offline)
+    quiet_libraries(verbose or log_level.lower() == "debug" or cfg.logging.level == "DEBUG")
 
     import uvicorn
 

@@ -1,11 +1,13 @@
 # ruff: noqa: E501  (each entry holds whole lines of code, so that they can be found by text)
-"""Put each GRPO bug class of the seeds back, one at a time, and check that the test named for it fails.
+"""Put each bug class of docs/bug-classes.md back into the code, one at a time, and check that its tests fail.
 
-    python tests/bug_classes.py            # all of them (about 3 minutes on 2 CPU cores)
-    python tests/bug_classes.py "bug 5"    # those whose name contains the text
+    python tests/bug_classes.py                       # all of them (a few minutes on 2 CPU cores)
+    python tests/bug_classes.py hidden-top-k mask-    # those whose name contains one of the texts
 
-Each entry: (bug class, file, the correct code, the bug, the tests that must fail). The file is restored after
-each run, also on error. A line "MISSED" means a guarantee is no longer tested: fix the test, not this list.
+Each entry: (name, file, the correct code, the bug, the tests that must fail); the name is the heading of the
+class in docs/bug-classes.md. The file is restored after each run, also on error. One line per entry:
+"CAUGHT <name>" (the tests failed), "MISSED <name>" (a guarantee is no longer tested: fix the test, not this
+list) or "STALE <name>" (the correct code changed: update the entry). Exit status 1 on any MISSED or STALE.
 """
 
 import subprocess
@@ -15,147 +17,147 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUG_CLASSES = [
     (
-        "masks off-by-one (bug 11)",
+        "mask-off-by-one",
         "core/masks.py",
         "first_logit = offset + len(prompt) - 1",
         "first_logit = offset + len(prompt)",
         "tests/core/test_masks.py",
     ),
     (
-        "mask from token values (bug 12)",
+        "mask-from-token-values",
         "core/masks.py",
         "mask[b, :n_completion] = True",
         "mask[b, :n_completion] = torch.tensor(completion, dtype=torch.long) != pad_id",
         "tests/core/test_masks.py",
     ),
     (
-        "response cut by non-pad count (bug 10)",
+        "response-cut-by-non-pad-count",
         "core/sampling.py",
         "pieces, reasons = split_generated(sequences, ids.shape[1], policy.end_of_turn_ids)",
         "pieces, reasons = split_generated(sequences, int(mask[0].sum()), policy.end_of_turn_ids)",
         "tests/core/test_policy_invariants.py::test_prompts_of_very_different_lengths_are_sampled_with_left_padding_and_cut_correctly",
     ),
     (
-        "reference carries LoRA (bug 3)",
+        "reference-carries-adapter",
         "core/policy.py",
         "with self.model.disable_adapter():",
         "with contextlib.nullcontext():",
         "tests/core/test_policy_invariants.py::test_reference_logprobs_do_not_change_when_the_adapter_trains",
     ),
     (
-        "old logprobs recomputed (bug 5)",
+        "recomputed-old-logprobs",
         "core/train.py",
         "sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in rows], ids_B_C.shape[1]).to(policy.device)",
         "sample_B_C = logprobs_B_C.detach()",
         "tests/core/test_policy_invariants.py::test_ratio_moves_away_from_one_after_an_update_on_the_same_batch",
     ),
     (
-        "trainer ignores temperature (bug 14)",
+        "trainer-ignores-temperature",
         "core/train.py",
         "logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)",
         "logprobs_B_C_V = torch.log_softmax(logits_B_C_V, -1)",
         "tests/core/test_policy_invariants.py::test_first_update_ratio_is_one_and_kl_is_zero",
     ),
     (
-        "hidden top-k 50 (bug 15)",
+        "hidden-top-k",
         "core/sampling.py",
         "        top_k=0,\n",
         "",
         "tests/core/test_policy_invariants.py::test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling",
     ),
     (
-        "repetition counts prompt (bug 8)",
+        "repetition-counts-prompt",
         "tasks/score.py",
-        "repetition = repetition_ratios(completion_ids, cfg.reward.repetition_ngram)",
-        "repetition = repetition_ratios([p + c for p, c in zip(prompt_ids, completion_ids)], cfg.reward.repetition_ngram)",
+        "repetition = repetition_ratios(completion_ids, r.repetition_ngram)",
+        "repetition = repetition_ratios([p + c for p, c in zip(prompt_ids, completion_ids)], r.repetition_ngram)",
         "tests/tasks/test_stages.py::test_repetition_is_measured_on_completion_tokens_only",
     ),
     (
-        "NaN reward poisons group (bug 17)",
+        "nan-reward-poisons-group",
         "core/advantages.py",
         "valid = torch.isfinite(rewards)",
         "valid = torch.ones_like(rewards, dtype=torch.bool)",
         "tests/core/test_advantages.py",
     ),
     (
-        "no std floor (bug 16)",
+        "no-std-floor",
         "core/advantages.py",
         "centered / std_P.clamp(min=std_floor)",
         "centered / std_P.clamp(min=1e-12)",
         "tests/core/test_advantages.py",
     ),
     (
-        "dropout active in training forward (bug 18)",
+        "dropout-in-training-forward",
         "core/policy.py",
         "    model.eval()\n    policy = _wrap",
         "    model.train()\n    policy = _wrap",
         "tests/core/test_policy_invariants.py::test_lora_dropout_does_not_make_the_first_ratio_noisy",
     ),
     (
-        "eval-mode guard removed (bug 18)",
+        "training-mode-not-refused",
         "core/policy.py",
         "        if self.model.training:",
         "        if False:",
         "tests/core/test_policy_invariants.py::test_a_policy_left_in_training_mode_is_refused",
     ),
     (
-        "no trainable check (bug 19)",
+        "no-trainable-parameters",
         "core/policy.py",
         "    if not params or sum(p.numel() for p in params) == 0:",
         "    if False:",
         "tests/core/test_policy_invariants.py::test_check_trainable_refuses_a_policy_whose_adapter_is_frozen",
     ),
     (
-        "schema lets renamed columns through (bug 1)",
+        "renamed-column-reads-as-zeros",
         "storage/schemas.py",
         "    if problems:\n        raise SchemaError",
         "    if False:\n        raise SchemaError",
         "tests/storage/test_schemas.py tests/tasks/test_stages.py::test_a_renamed_column_between_stages_is_an_error_not_zeros",
     ),
     (
-        "end-of-turn = eos only (bug 13)",
+        "end-of-turn-is-eos-only",
         "core/chat.py",
         "        if token in vocab and token in specials:",
         "        if False:",
         "tests/core/test_masks.py::test_end_of_turn_ids_include_the_chat_end_token_when_eos_is_another",
     ),
     (
-        "SFT uses another format (bug 7)",
+        "sft-prompt-format-drift",
         "core/chat.py",
         "    return prompt_ids + list(response_ids) + [end_of_turn_id], len(prompt_ids)",
         "    plain = tokenizer(prompt + '\\n\\n', add_special_tokens=False)['input_ids']\n    return plain + list(response_ids) + [end_of_turn_id], len(plain)",
         "tests/core/test_policy_invariants.py::test_sft_tokenization_starts_with_exactly_the_rl_prompt_ids",
     ),
     (
-        "suppression not replayed by trainer",
+        "suppression-not-replayed",
         "core/train.py",
         "logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)",
         "logprobs_B_C_V = torch.log_softmax(logits_B_C_V.float() / policy.distribution.temperature, -1)",
         "tests/core/test_policy_invariants.py::test_trainer_replays_token_suppression_of_the_sampler",
     ),
     (
-        "RL mode accepts top_p (bug 2/15)",
+        "unreplayed-sampling-settings",
         "core/config.py",
         "        if changed:\n            raise ValueError(",
         "        if False:\n            raise ValueError(",
         "tests/core/test_config.py",
     ),
     (
-        "half the adapter never optimized (bug 4)",
+        "adapter-partly-optimized",
         "core/train.py",
         "        policy.trainable_parameters(),\n        lr=",
         "        policy.trainable_parameters()[::2],\n        lr=",
         "tests/core/test_policy_invariants.py::test_every_adapter_parameter_gets_a_gradient_and_nothing_outside_the_adapter_changes",
     ),
     (
-        "producer writes a drifted column name (bug 6)",
+        "drifted-column-name",
         "tasks/score.py",
         '"repetition_ratio": repetition,',
         '"repetition": repetition,',
         "tests/tasks/test_stages.py::test_every_stage_output_is_read_back_by_the_next_stage",
     ),
     (
-        "training forward on other ids than sampled (bug 9)",
+        "trained-ids-differ-from-sampled",
         "core/policy.py",
         'packed = pack_sequences(prompt_ids, completion_ids, policy.pad_id, padding="right")',
         'packed = pack_sequences([p[1:] for p in prompt_ids], completion_ids, policy.pad_id, padding="right")',
@@ -172,7 +174,7 @@ def main(selected: list[str]) -> int:
         path = ROOT / relative
         source = path.read_text()
         if source.count(correct) != 1:
-            print(f"STALE   {name}: the correct code is no longer found once in {relative}; update this entry")
+            print(f"STALE {name}: the correct code is no longer found once in {relative}; update this entry")
             missed += 1
             continue
         path.write_text(source.replace(correct, bug))
@@ -188,7 +190,7 @@ def main(selected: list[str]) -> int:
         summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
         caught = result.returncode == 1  # tests ran and failed (not a collection or usage error)
         missed += not caught
-        print(f"{'CAUGHT' if caught else 'MISSED'}  {name}: {summary}", flush=True)
+        print(f"{'CAUGHT' if caught else 'MISSED'} {name}: {summary}", flush=True)
     return 1 if missed else 0
 
 

@@ -8,7 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ci_runs_exactly_the_readme_test_command():
     readme_lines = (ROOT / "README.md").read_text().splitlines()
     block = readme_lines[readme_lines.index("```bash") + 1 : readme_lines.index("```bash") + 3]
-    assert len(block) == 2 and block[0].endswith("redteam-grpo run") and block[1].endswith("pytest")
+    assert len(block) == 2 and block[0].endswith("redteam-grpo run")
+    assert block[1].endswith(".venv/bin/pytest && .venv/bin/python tests/bug_classes.py")
     ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert block[1] in ci_lines
 
@@ -85,3 +86,28 @@ def test_core_imports_from_the_embedded_package_only_the_resolution_of_embedded_
             bad = [n for n in names if n.startswith("redteam_grpo.embedded") and n not in allowed]
             problems += [f"{path.relative_to(root)} imports {n}" for n in bad]
     assert not problems, f"core may import only {sorted(allowed)} of the embedded package:\n" + "\n".join(problems)
+
+
+def test_the_bug_class_catalogue_and_the_harness_name_the_same_classes_and_tests():
+    import re
+
+    from tests.bug_classes import BUG_CLASSES
+
+    text = (ROOT / "docs" / "bug-classes.md").read_text()
+    # Every `###` heading is a class; the text up to the next heading is its entry.
+    parts = re.split(r"^(#{1,3}) (.+?)\s*$", text, flags=re.MULTILINE)
+    headings = [(level, title, body) for level, title, body in zip(parts[1::3], parts[2::3], parts[3::3], strict=True)]
+    sections = {title: body for level, title, body in headings if level == "###"}
+    names = [name for name, *_ in BUG_CLASSES]
+    assert len(set(names)) == len(names), "a class name is used twice in tests/bug_classes.py"
+    assert len(sections) == sum(level == "###" for level, _, _ in headings), "a heading is used twice"
+    assert [n for n in names if not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", n)] == [], "names are kebab-case"
+    assert sorted(set(names) - set(sections)) == [], "harness entries without a section in docs/bug-classes.md"
+    assert sorted(set(sections) - set(names)) == [], "sections of docs/bug-classes.md without a harness entry"
+    unnamed = [
+        f"{name}: {test}"
+        for name, _, _, _, tests in BUG_CLASSES
+        for test in tests.split()
+        if name in sections and f"`{test}`" not in sections[name]
+    ]
+    assert unnamed == [], "tests the harness runs for a class that its section does not name"

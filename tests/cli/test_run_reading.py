@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from redteam_grpo.cli.console import PREFECT_CONSOLE_LEVEL
 from redteam_grpo.cli.main import app
 from redteam_grpo.cli.report import PLOTS
 from redteam_grpo.core.config import load_config
@@ -37,7 +38,8 @@ def run_dir(tmp_path_factory, prefect_harness, embedded_assets):
 
 
 def _cli(*args):
-    result = runner.invoke(app, list(map(str, args)))
+    # What a command sets in os.environ for the console stays out of later tests' subprocesses.
+    result = runner.invoke(app, list(map(str, args)), env={PREFECT_CONSOLE_LEVEL: None})
     return result.exit_code, result.output
 
 

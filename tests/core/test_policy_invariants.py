@@ -1,4 +1,4 @@
-"""Invariants of sampler, reference and trainer on the embedded tiny model (seed 001 bugs 3-5, seed 003 bug 3)."""
+"""Invariants of sampler, reference and trainer on the embedded tiny model (bug classes: docs/bug-classes.md)."""
 
 import pytest
 import torch

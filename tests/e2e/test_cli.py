@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -15,22 +16,18 @@ import yaml
 
 from redteam_grpo.storage.atomic import sha256_file
 from redteam_grpo.storage.rundir import RunDir
+from tests.small_runs import SMALL_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 # The CLI, with every connection outside loopback refused and recorded in $NETGUARD_LOG.
 CLI = [sys.executable, "-c", "import tests.netguard as g; g.install(); from redteam_grpo.cli.main import app; app()"]
-SMALL = [
-    "--set",
-    "data.prompts_per_iteration=3",
-    "--set",
-    "sampling.group_size=4",
-    "--set",
-    "sampling.max_new_tokens=12",
-    "--set",
-    "run.early_stop_reward=null",
-    "--set",
-    "logging.progress=false",
-]
+# Settings the suite sets for itself that would also quiet the CLI, hiding whether it quiets itself.
+QUIETING_VARIABLES = (
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL",
+    "TRANSFORMERS_VERBOSITY",
+)
+SMALL = [arg for setting in [*SMALL_RUN, "logging.progress=false"] for arg in ("--set", setting)]
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +77,7 @@ def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anyt
     run = RunDir.open(tmp_path / "k9")
     done_before = dict(run.manifest()["stages"])
     digests = {rel: d for entry in done_before.values() for rel, d in entry["files"].items()}
-    out = _cli("run", "--resume", str(run.root))
+    out = _cli("run", "--resume", str(run.root), "--verbose")  # the stage lines are Prefect INFO lines
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sample already completed, not recomputed" in out.stderr + out.stdout
     after = run.manifest()
@@ -96,6 +93,28 @@ def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anyt
     assert out.stdout.strip()
     out = _cli("infer", "--run", str(run.root), "--prompt", "hi", "--checkpoint", "7")
     assert out.returncode == 2 and "completed checkpoints: [0, 1, 2]" in out.stderr
+
+
+@pytest.mark.usefixtures("embedded_assets")
+def test_a_default_run_prints_progress_and_table_only_and_verbose_adds_prefect_and_library_output(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in QUIETING_VARIABLES}  # the CLI's defaults, not the suite's
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")  # a database of its own, to read what the API received
+    args = ["run", *SMALL, "--set", "run.iterations=1", "--set", f"run.runs_dir={tmp_path}"]
+
+    quiet = _cli(*args, "--set", "run.run_id=quiet", env=env)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    shown = quiet.stdout + quiet.stderr
+    for noise in ("Loading weights", "Finished in state", "Created task run", "Beginning flow run", "FutureWarning"):
+        assert noise not in shown, f"{noise!r} on a default run's console:\n{shown[-3000:]}"
+    assert "iterations" in quiet.stdout and "run directory:" in quiet.stderr
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:  # the API still got every line
+        logged = [m for (m,) in db.execute("SELECT message FROM log")]
+    assert logged.count("Finished in state Completed()") >= 7  # 5 stages, the iteration flow, the run flow
+    assert any(m.startswith("iteration 0: reward") for m in logged)
+
+    verbose = _cli(*args, "--set", "run.run_id=verbose", "--verbose", env=env)
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "Finished in state Completed()" in verbose.stderr and "Beginning flow run" in verbose.stderr
 
 
 def test_resume_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path):

@@ -131,7 +131,7 @@ def test_policy_config_and_generation_config(assets: EmbeddedAssets, policy_tok)
     assert cfg.tie_word_embeddings and cfg.rope_parameters["rope_theta"] == 10000.0
     gen = model.generation_config
     assert gen.eos_token_id == policy_tok.eos_token_id and gen.pad_token_id == policy_tok.pad_token_id
-    assert gen.do_sample and gen.top_k == 0  # no hidden top-k 50: sampled and scored distributions are one
+    assert gen.do_sample and gen.top_k == 0  # bug class hidden-top-k (docs/bug-classes.md)
     assert sum(p.numel() for p in model.parameters()) < 1_000_000
 
 

@@ -28,7 +28,7 @@ def test_round_trip(tmp_path):
 
 
 def test_renamed_column_is_named_not_silently_zero(tmp_path):
-    # seed 001, bug 1: the trainer read `log_probs` while the producer wrote `old_log_probs`.
+    # Bug class renamed-column-reads-as-zeros (docs/bug-classes.md): `log_probs` read, `old_log_probs` written.
     table = schemas.to_table(_advantages(), schemas.ADVANTAGES, "advantages").rename_columns(
         ["run_id", "iteration", "prompt_id", "sample_idx", "reward", "old_advantage"]
     )

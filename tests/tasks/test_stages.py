@@ -96,7 +96,7 @@ def _rollouts(run, prompt_ids, completions, tokenizer):
 
 
 def test_repetition_is_measured_on_completion_tokens_only(run):
-    # seed 003, bug 2: a penalty that counts prompt tokens. The prompt here is one token repeated 30 times.
+    # Bug class repetition-counts-prompt (docs/bug-classes.md). The prompt is one token repeated 30 times.
     initialize_stage.fn(str(run.root))
     res = resources.resources_for(run.root)
     tok = res.policy.tokenizer
@@ -148,7 +148,7 @@ def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
 
 
 def test_a_renamed_column_between_stages_is_an_error_not_zeros(run):
-    # seed 001, bug 1: the trainer read old logprobs under another name and got zeros.
+    # Bug class renamed-column-reads-as-zeros (docs/bug-classes.md): old logprobs read under another name.
     root = str(run.root)
     initialize_stage.fn(root)
     sample_stage.fn(root, 0)
