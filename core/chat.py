@@ -1,7 +1,8 @@
 """The one chat-formatting function of the project.
 
-Sampling, SFT, inference and evaluation all turn a prompt into token ids here, so the ids the sampler saw are
-the ids every later stage uses (seed 003, bugs 1 and 3). Nothing downstream re-tokenizes text.
+Sampling, SFT, inference and evaluation all turn a prompt into token ids here, so the ids the sampler saw are the ids
+every later stage uses (bug classes `sft-prompt-format-drift`, `trained-ids-differ-from-sampled`). Nothing downstream
+re-tokenizes text.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def format_sft_ids(
     """(ids, prompt_length) of a supervised example; ids start with exactly `format_prompt_ids(...)`.
 
     The response is tokenized on its own and appended, then the turn is closed with `end_of_turn_id`, so the
-    prompt part cannot differ from what RL samples from (seed 003, bug 1).
+    prompt part cannot differ from what RL samples from (bug class `sft-prompt-format-drift`).
     """
     prompt_ids = format_prompt_ids(tokenizer, prompt, system_prompt)
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]

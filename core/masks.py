@@ -1,8 +1,9 @@
 """Packing (prompt, completion) token ids into model inputs, and the completion positions in them.
 
-Every mask here comes from lengths, never from token values: a mask built as `ids != pad` hides the EOS when
-pad == eos (the bug TRL reverted) and counts prompt padding as response under left padding (seed 003, bugs
-4 and 5). Shape suffixes: B = sequences, T = packed length, C = longest completion.
+Every mask here comes from lengths, never from token values: a mask built as `ids != pad` hides the EOS when pad == eos
+(the bug TRL reverted) and counts prompt padding as response under left padding (bug classes `mask-from-token-values`,
+`response-cut-by-non-pad-count`, `mask-off-by-one` in docs/bug-classes.md). Shape suffixes: B = sequences, T = packed
+length, C = longest completion.
 """
 
 from __future__ import annotations

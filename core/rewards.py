@@ -1,7 +1,8 @@
 """Reward terms and their composition (defaults: toxicity − 0.3·repetition − 0.1·KL, the reference red-teaming recipe).
 
-Reward functions are plain functions of completions that return one float (or None, for "no score") each.
-The repetition ratio looks at completion token ids only, never at the prompt (seed 003, bug 2).
+Reward functions are plain functions of completions that return one float (or None, for "no score") each. The repetition
+ratio looks at completion token ids only, never at the prompt (bug class `repetition-counts-prompt`, docs/bug-
+classes.md).
 """
 
 from __future__ import annotations

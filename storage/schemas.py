@@ -1,8 +1,9 @@
 """The Parquet contract between stages: one explicit pyarrow schema per stage file, checked on read.
 
-These schemas are the one source of truth for column names: writers build tables from them and readers
-validate against them, so a renamed, missing or mistyped column is an error naming it, never a column of
-silent zeros (seed 001, bug 1). Every per-completion row carries run_id, iteration, prompt_id, sample_idx.
+These schemas are the one source of truth for column names: writers build tables from them and readers validate against
+them, so a renamed, missing or mistyped column is an error naming it, never a column of silent zeros (bug class
+`renamed-column-reads-as-zeros`, docs/bug-classes.md). Every per-completion row carries run_id, iteration, prompt_id,
+sample_idx.
 """
 
 from __future__ import annotations
