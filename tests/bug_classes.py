@@ -137,10 +137,10 @@ BUG_CLASSES = [
     ),
     (
         "unreplayed-sampling-settings",
-        "core/config.py",
-        "        if changed:\n            raise ValueError(",
-        "        if False:\n            raise ValueError(",
-        "tests/core/test_config.py",
+        "core/sampling.py",
+        "        top_p=1.0,\n",
+        "        top_p=0.9,\n",
+        "tests/core/test_policy_invariants.py::test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling",
     ),
     (
         "adapter-partly-optimized",
