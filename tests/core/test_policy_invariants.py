@@ -5,8 +5,8 @@ import torch
 
 from redteam_grpo.core.chat import format_prompt_ids, format_sft_ids
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
-from redteam_grpo.core.kl import sequence_kl
-from redteam_grpo.core.policy import PolicyError, load_policy, untempered_logprobs
+from redteam_grpo.core.kl import policy_reference_logprobs, sequence_kl
+from redteam_grpo.core.policy import PolicyError, load_policy
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
 
@@ -51,8 +51,7 @@ def test_prompts_of_very_different_lengths_are_sampled_with_left_padding_and_cut
 def test_first_update_ratio_is_one_and_kl_is_zero(tiny_policy):
     prompt_ids, completions = _sample(tiny_policy)
     batch = _batch(prompt_ids, completions)
-    pol, mask = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
-    ref, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
+    pol, ref, mask = policy_reference_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids)
     assert sequence_kl(pol, ref, mask).abs().max() == 0.0  # LoRA B starts at 0: policy == base exactly
     metrics = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), batch, TrainingConfig())
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -72,12 +71,10 @@ def test_ratio_moves_away_from_one_after_an_update_on_the_same_batch(tiny_policy
 def test_reference_logprobs_do_not_change_when_the_adapter_trains(tiny_policy):
     prompt_ids, completions = _sample(tiny_policy)
     batch = _batch(prompt_ids, completions)
-    ref_before, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
-    pol_before, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    pol_before, ref_before, _ = policy_reference_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids)
     cfg = TrainingConfig(learning_rate=1e-2, updates_per_batch=3)
     policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), batch, cfg)
-    ref_after, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
-    pol_after, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    pol_after, ref_after, _ = policy_reference_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids)
     assert torch.equal(ref_before, ref_after)
     assert (pol_before - pol_after).abs().max() > 1e-3
 
