@@ -79,11 +79,37 @@ class TrainingConfig(_Section):
     """AdamW betas."""
     grad_clip: float | None = Field(1.0, gt=0.0)
     """Clip the global gradient norm to this value (None: no clipping)."""
-    clip_epsilon: float | None = Field(None, gt=0.0)
-    """PPO-style ratio clipping to [1-eps, 1+eps]. None: plain importance-sampling policy gradient."""
-    loss_normalization: Literal["token", "sequence"] = "token"
-    """`token`: mean over all completion tokens of the batch; `sequence`: mean over sequences of the
-    per-sequence token mean."""
+    loss: Literal["importance_sampling", "ppo_clip", "gspo"] = "importance_sampling"
+    """Policy-gradient objective (core/loss.py). `importance_sampling`: ratio x advantage per token, unclipped
+    (reference system). `ppo_clip`: PPO's clipped surrogate per token (Schulman et al. 2017) with separate
+    low/high ranges (DAPO's clip-higher, Yu et al. 2025). `gspo`: one ratio per sequence, the geometric mean of
+    its token ratios, clipped per sequence (Zheng et al. 2025). The first update after sampling has ratio 1, so
+    clipping only acts from the second of updates_per_batch on (or when the sampler is another engine)."""
+    ppo_clip_epsilon_low: float = 0.2
+    """loss=ppo_clip: a token's ratio is clipped below at 1 - this (PPO and DAPO: 0.2)."""
+    ppo_clip_epsilon_high: float = 0.28
+    """loss=ppo_clip: a token's ratio is clipped above at 1 + this (DAPO's clip-higher: 0.28; set it equal to
+    ppo_clip_epsilon_low for symmetric PPO)."""
+    gspo_epsilon_low: float = 3e-4
+    """loss=gspo: a sequence's ratio is clipped below at 1 - this (GSPO paper: 3e-4; sequence ratios are
+    geometric means of token ratios, so their ranges are far narrower than PPO's)."""
+    gspo_epsilon_high: float = 4e-4
+    """loss=gspo: a sequence's ratio is clipped above at 1 + this (GSPO paper: 4e-4)."""
+    loss_normalization: Literal["token", "sequence", "constant"] = "token"
+    """How token terms are averaged, always over the whole batch (exact under micro-batching). `token`: every
+    completion token weighs the same (DAPO); `sequence`: every sequence weighs the same, shared by its tokens
+    (the GRPO paper; with loss=gspo, the GSPO paper); `constant`: every token weighs 1 / (sequences x
+    sampling.max_new_tokens) (Dr. GRPO), so neither a response's length nor the batch's token count rescales
+    its gradient."""
+    truncated_is_cap: float | None = None
+    """Truncated importance sampling (Yao et al. 2025) for a sampler whose logprobs differ from the trainer's
+    (another engine): the ratio is taken against the trainer's logprobs at the sampling weights and each token's
+    term is multiplied by min(p_trainer / p_sampler, cap), detached (Yao et al.: 2). With the in-process sampler
+    the factor is 1. The first-update check still compares trainer and sampler: raise ratio_tolerance to the
+    mismatch of the other engine. None: off."""
+    dynamic_sampling: bool = False
+    """Leave out of the update the groups whose advantages are all 0 (DAPO's dynamic sampling, without its
+    re-sampling): they add no gradient, only tokens to the normaliser. The number left out is reported."""
     updates_per_batch: int = Field(1, ge=1)
     """Optimizer steps on each sampled batch. The first one is on-policy (ratio = 1)."""
     micro_batch_size: int = Field(64, gt=0)
@@ -98,6 +124,35 @@ class TrainingConfig(_Section):
     ratio_tolerance: float = Field(1e-3, gt=0.0)
     """On the first update the mean |ratio - 1| must be below this, else the step is refused: the trainer
     would not be computing the distribution the sampler drew from."""
+
+    @model_validator(mode="after")
+    def _clip_ranges_and_cap_are_usable(self) -> TrainingConfig:
+        ranges = {  # field: (the loss it belongs to, is it the lower range)
+            "ppo_clip_epsilon_low": ("ppo_clip", True),
+            "ppo_clip_epsilon_high": ("ppo_clip", False),
+            "gspo_epsilon_low": ("gspo", True),
+            "gspo_epsilon_high": ("gspo", False),
+        }
+        for name, (loss, lower) in ranges.items():
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if lower and not 0.0 < value < 1.0:
+                raise ValueError(
+                    f"training.{name}={value} must be in (0, 1): the ratio is clipped below at 1 - {name}, which "
+                    f"must stay above 0 (default {default})"
+                )
+            if not lower and not value > 0.0:
+                raise ValueError(f"training.{name}={value} must be > 0 (default {default})")
+            if loss != self.loss and value != default:
+                raise ValueError(
+                    f"training.{name} only applies to training.loss={loss}, but training.loss is {self.loss}: "
+                    f"set training.loss={loss}, or leave training.{name} at its default ({default})"
+                )
+        if self.truncated_is_cap is not None and not self.truncated_is_cap >= 1.0:
+            raise ValueError(
+                f"training.truncated_is_cap={self.truncated_is_cap} must be >= 1 (Yao et al.: 2): a cap below 1 "
+                "down-weights even the tokens on which sampler and trainer agree; null turns it off"
+            )
+        return self
 
 
 class DataConfig(_Section):
@@ -271,7 +326,7 @@ MOVED_KEYS = {
     "training.kl_beta": "moved to reward.kl_weight (the KL weight is a reward term)",
     "reward.repetition_penalty": "renamed reward.repetition_weight",
     "reward.refusal_penalty": "renamed reward.refusal_weight",
-    "training.clip_epsilon": "replaced by training.loss=ppo_clip with training.clip_epsilon_low/high",
+    "training.clip_epsilon": "replaced by training.loss=ppo_clip with training.ppo_clip_epsilon_low/high",
     "sampling.top_p": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-p` has it)",
     "sampling.top_k": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-k` has it)",
     "sampling.min_new_tokens": "removed: it changes the sampled distribution (`infer --min-new-tokens` has it)",

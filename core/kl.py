@@ -1,16 +1,26 @@
-"""KL(policy || reference) per completion token.
+"""KL(policy_T || reference_T) per completion token, for the distribution the tokens were drawn from.
 
-Both sides use untempered logits (the models' own distributions), whatever the sampling temperature, so the
-KL compares like with like. Estimator: k3 = exp(r) - r - 1 with r = log pi_ref - log pi_theta at the sampled
-token (J. Schulman, "Approximating KL Divergence", 2020): unbiased for samples from pi_theta, never negative,
-and exactly 0 where the two logprobs are equal.
+The sampler draws from `policy.distribution` applied to the policy's logits: temperature T, and the
+suppressed ids (pad, turn headers) at -inf. Both sides of the KL go through that same processing: the policy
+(adapter on) and the reference (the same model, adapter off: `Policy.reference`). The estimate is therefore
+of KL(pi_T || pi_ref,T), where pi_T = softmax(suppress(logits) / T), at every temperature.
+
+Estimator: k3 = exp(r) - r - 1 with r = log pi_ref,T(y) - log pi_T(y) at the sampled token y (J. Schulman,
+"Approximating KL Divergence", 2020). Since y ~ pi_T given its prefix, k3 is unbiased for the full-vocabulary
+KL at that position, never negative, and exactly 0 where the two logprobs are equal. Untempered logprobs at
+tempered samples would estimate no KL at all at T != 1 (their expectation under pi_T is not a divergence
+between the distributions they come from). `sequence_kl` is the mean over a completion's tokens: the
+per-token average of the per-position KLs, whose sum is the KL of the whole completion.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from redteam_grpo.core.logprobs import masked_mean
+from redteam_grpo.core.logprobs import masked_mean, token_logprobs
+from redteam_grpo.core.policy import Policy, completion_logits
 
 
 def k3_kl(policy_logprobs_B_C: torch.Tensor, reference_logprobs_B_C: torch.Tensor, mask_B_C: torch.Tensor):
@@ -26,3 +36,23 @@ def k3_kl(policy_logprobs_B_C: torch.Tensor, reference_logprobs_B_C: torch.Tenso
 def sequence_kl(policy_logprobs_B_C: torch.Tensor, reference_logprobs_B_C: torch.Tensor, mask_B_C: torch.Tensor):
     """Mean per-token KL of each completion: [B]."""
     return masked_mean(k3_kl(policy_logprobs_B_C, reference_logprobs_B_C, mask_B_C), mask_B_C, dim=-1)
+
+
+def _sampled_logprobs(
+    policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits_B_C_V, ids_B_C, mask_B_C = completion_logits(policy, prompt_ids, completion_ids)
+    return token_logprobs(policy.distribution.logprobs(logits_B_C_V), ids_B_C), mask_B_C
+
+
+@torch.no_grad()
+def policy_reference_logprobs(
+    policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log pi_T(y) and log pi_ref,T(y) of every completion token, both under the sampling distribution
+    (temperature and suppressed ids of `policy.distribution`), and the completion mask: three [B, C] on the CPU.
+    Masked positions may hold -inf."""
+    policy_lp_B_C, mask_B_C = _sampled_logprobs(policy, prompt_ids, completion_ids)
+    with policy.reference():
+        reference_lp_B_C, _ = _sampled_logprobs(policy, prompt_ids, completion_ids)
+    return policy_lp_B_C.cpu(), reference_lp_B_C.cpu(), mask_B_C.cpu()

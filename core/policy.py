@@ -1,7 +1,7 @@
 """Policy model: a base causal LM with one LoRA adapter; the reference is the same model, adapter disabled.
 
 One copy of the base weights serves both: the reference cannot drift from the base or pick up adapter
-weights (seed 001, bug 3). The model is kept in eval mode for every forward, so LoRA dropout never makes the
+weights. The model is kept in eval mode for every forward, so LoRA dropout never makes the
 logprobs of the same tokens differ between sampling and training (the importance ratio stays exactly 1 on the
 first update); `lora_dropout` is stored in the adapter config for compatibility only.
 """
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from redteam_grpo.core.chat import end_of_turn_ids, turn_header_ids
 from redteam_grpo.core.config import ModelConfig
-from redteam_grpo.core.logprobs import SamplingDistribution, token_logprobs
+from redteam_grpo.core.logprobs import SamplingDistribution
 from redteam_grpo.core.masks import gather_completion_logits, pack_sequences
 
 log = logging.getLogger(__name__)
@@ -180,17 +180,3 @@ def completion_logits(policy: Policy, prompt_ids: Sequence[Sequence[int]], compl
     )
     logits = gather_completion_logits(out.logits, packed).float()
     return logits, packed.completion_ids_B_C, packed.completion_mask_B_C
-
-
-@torch.no_grad()
-def untempered_logprobs(
-    policy: Policy,
-    prompt_ids: Sequence[Sequence[int]],
-    completion_ids: Sequence[Sequence[int]],
-    reference: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(token) under the raw (untempered) distribution of the policy or the reference: ([B, C], mask)."""
-    ctx = policy.reference() if reference else contextlib.nullcontext()
-    with ctx:
-        logits, ids, mask = completion_logits(policy, prompt_ids, completion_ids)
-    return token_logprobs(torch.log_softmax(logits, -1), ids).cpu(), mask.cpu()

@@ -1,23 +1,47 @@
 """One GRPO policy update on a sampled batch, and the diagnostics that show it is sound.
 
 The forward runs on exactly the ids the sampler produced (prompt ids as fed to `generate`, completion ids as
-drawn), through the same sampling distribution, so the first update's importance ratio is 1; it is checked
-every step and a step whose ratio is off is refused (the trainer would be optimising a different
-distribution than the one sampled from).
+drawn), through the same sampling distribution, so the first update's importance ratio pi_trainer /
+pi_sampler is 1; it is checked every step and a step whose ratio is off is refused (the trainer would be
+optimising a different distribution than the one sampled from).
+
+Which rows take part: completions with at least one token; with dynamic sampling (DAPO, Yu et al. 2025) only
+the groups with a non-zero advantage (`informative_rows`). DAPO then samples more prompts until the batch is
+full again; here the batch only shrinks, and the number of groups left out is reported.
+
+Truncated importance sampling (Yao et al. 2025), for a sampler that is another engine: the denominator of the
+ratio is the trainer's own logprobs at the sampling weights, which are the first update's forward, detached,
+kept for the later updates of the batch (recomputing them from the updated weights would make every ratio 1);
+each token's term is multiplied by min(pi_trainer_old / pi_sampler, cap). With the in-process sampler the two
+logprobs agree to float precision, the factor is 1 and the update is the same as without it. The first-update
+check still compares trainer and sampler: with another engine, raise `ratio_tolerance` to the mismatch it has.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.logprobs import entropy, pad_ragged, token_logprobs
-from redteam_grpo.core.loss import clipped_importance_sampling_loss, importance_sampling_loss, token_weights
+from redteam_grpo.core.loss import (
+    LossStats,
+    gspo_loss,
+    importance_sampling_loss,
+    ppo_clip_loss,
+    ratio_stats,
+    token_weights,
+    truncated_is_weights,
+)
 from redteam_grpo.core.policy import Policy, completion_logits
+
+LossFunction = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, LossStats]
+]
 
 
 class RatioCheckError(RuntimeError):
@@ -28,17 +52,46 @@ class RatioCheckError(RuntimeError):
 class TrainBatch:
     prompt_ids: Sequence[Sequence[int]]
     completion_ids: Sequence[Sequence[int]]
-    sample_logprobs: Sequence[Sequence[float]]
+    sample_logprobs: Sequence[Sequence[float]]  # recorded by the sampler as each token was drawn
     advantages: Sequence[float]
-    group_ids: Sequence[str] = ()  # the prompt id of each row
+    group_ids: Sequence[str]  # the prompt id of each row: rows with the same id form one GRPO group
+    max_new_tokens: int | None = None  # the sampler's limit; needed by the `constant` normalisation only
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
-        if not (len(self.completion_ids) == len(self.sample_logprobs) == len(self.advantages) == n):
-            raise ValueError("prompt_ids, completion_ids, sample_logprobs and advantages differ in length")
+        lengths = (len(self.completion_ids), len(self.sample_logprobs), len(self.advantages), len(self.group_ids))
+        if any(length != n for length in lengths):
+            raise ValueError(
+                f"prompt_ids, completion_ids, sample_logprobs, advantages and group_ids differ in length: {n}, "
+                + ", ".join(map(str, lengths))
+            )
         for i, (ids, lps) in enumerate(zip(self.completion_ids, self.sample_logprobs, strict=True)):
             if len(ids) != len(lps):
                 raise ValueError(f"row {i}: {len(ids)} completion tokens but {len(lps)} sampling logprobs")
+            if self.max_new_tokens is not None and len(ids) > self.max_new_tokens:
+                raise ValueError(
+                    f"row {i}: {len(ids)} completion tokens, more than max_new_tokens={self.max_new_tokens}"
+                )
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """Diagnostics of `policy_gradient_step`. Ratio, clip, loss, gradient-norm and entropy values are those of
+    the first update (where the ratio compares trainer and sampler); `last_ratio_std` is of the last update."""
+
+    loss: float  # the first update's loss
+    sampler_kl: float  # KL(sampler || trainer) by k3 on the first update's ratio: 0 when they agree
+    ratio_mean: float
+    ratio_std: float  # sample std (n - 1)
+    ratio_max: float
+    first_ratio_abs_dev: float  # mean |ratio - 1| on the first update: the refused-step check
+    clip_fraction: float  # share of tokens whose term was clipped on the first update
+    grad_norm: float  # before clipping, first update
+    entropy: float  # mean per-token entropy of the sampling distribution, first update
+    n_tokens: float  # completion tokens trained on
+    n_sequences: float  # sequences trained on (non-empty, and in an informative group with dynamic sampling)
+    n_dropped_groups: float  # groups left out by dynamic sampling (all advantages 0)
+    last_ratio_std: float  # ratio std on the last update: must move from 0; NaN with one update per batch
 
 
 def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
@@ -50,72 +103,123 @@ def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
     )
 
 
+def informative_rows(group_ids: Sequence[str], advantages: Sequence[float]) -> tuple[list[int], int]:
+    """DAPO's dynamic-sampling filter (Yu et al. 2025): the rows of the groups that have a non-zero advantage,
+    and the number of groups left out. A group whose advantages are all 0 adds nothing to the gradient but
+    its tokens to the normaliser, which would shrink every other group's step.
+
+    >>> informative_rows(["a", "a", "b", "b"], [0.5, -0.5, 0.0, 0.0])
+    ([0, 1], 1)
+    """
+    informative: dict[str, bool] = {}
+    for group, advantage in zip(group_ids, advantages, strict=True):
+        informative[group] = informative.get(group, False) or advantage != 0.0
+    rows = [i for i, group in enumerate(group_ids) if informative[group]]
+    return rows, sum(not keep for keep in informative.values())
+
+
+def loss_function(cfg: TrainingConfig) -> LossFunction:
+    """The configured loss with its clip ranges bound."""
+    losses: dict[str, LossFunction] = {
+        "importance_sampling": importance_sampling_loss,
+        "ppo_clip": functools.partial(
+            ppo_clip_loss, epsilon_low=cfg.ppo_clip_epsilon_low, epsilon_high=cfg.ppo_clip_epsilon_high
+        ),
+        "gspo": functools.partial(gspo_loss, epsilon_low=cfg.gspo_epsilon_low, epsilon_high=cfg.gspo_epsilon_high),
+    }
+    return losses[cfg.loss]
+
+
 def policy_gradient_step(
     policy: Policy, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: TrainingConfig
-) -> dict[str, float]:
+) -> UpdateStats:
     """`cfg.updates_per_batch` optimizer steps on the batch; returns the diagnostics of the first and last."""
-    keep = [i for i, ids in enumerate(batch.completion_ids) if len(ids) > 0]
-    n_tokens = sum(len(batch.completion_ids[i]) for i in keep)
-    metrics: dict[str, float] = {}
+    if cfg.loss_normalization == "constant" and batch.max_new_tokens is None:
+        raise ValueError(
+            "training.loss_normalization=constant divides by sequences x max_new_tokens: build the TrainBatch "
+            "with max_new_tokens (sampling.max_new_tokens)"
+        )
+    rows = [i for i, ids in enumerate(batch.completion_ids) if len(ids) > 0]
+    n_dropped_groups = 0
+    if cfg.dynamic_sampling:
+        kept, n_dropped_groups = informative_rows(
+            [batch.group_ids[i] for i in rows], [batch.advantages[i] for i in rows]
+        )
+        rows = [rows[k] for k in kept]
+    n_tokens = sum(len(batch.completion_ids[i]) for i in rows)
+    n_sequences = len(rows)
+    if not rows:  # nothing to learn from: no step (Adam's state and step count are left alone)
+        nan = math.nan
+        return UpdateStats(0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan)
+
+    compute_loss = loss_function(cfg)
+    micro_batches = [rows[s : s + cfg.micro_batch_size] for s in range(0, len(rows), cfg.micro_batch_size)]
+    trainer_old: list[torch.Tensor] = []  # truncated IS: the first update's logprobs, one tensor per micro-batch
     params = policy.trainable_parameters()
+    max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
+    first: dict[str, float] = {}
     for update in range(cfg.updates_per_batch):
         optimizer.zero_grad(set_to_none=True)
-        ratios, entropies, clip_tokens, loss_total = [], [], 0.0, 0.0
-        for start in range(0, len(keep), cfg.micro_batch_size):
-            rows = keep[start : start + cfg.micro_batch_size]
+        loss_total, entropy_sum = 0.0, 0.0
+        stats, sampler_stats = LossStats(), LossStats()
+        for k, mb_rows in enumerate(micro_batches):
             logits_B_C_V, ids_B_C, mask_B_C = completion_logits(
-                policy, [batch.prompt_ids[i] for i in rows], [batch.completion_ids[i] for i in rows]
+                policy, [batch.prompt_ids[i] for i in mb_rows], [batch.completion_ids[i] for i in mb_rows]
             )
             logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
             logprobs_B_C = token_logprobs(logprobs_B_C_V, ids_B_C)
-            sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in rows], ids_B_C.shape[1]).to(policy.device)
-            advantages_B = torch.tensor([batch.advantages[i] for i in rows], dtype=torch.float32, device=policy.device)
-            weights_B_C = token_weights(mask_B_C, cfg.loss_normalization, n_tokens, len(keep))
-            if cfg.clip_epsilon is None:
-                loss, stats = importance_sampling_loss(logprobs_B_C, sample_B_C, advantages_B, weights_B_C, mask_B_C)
+            sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in mb_rows], ids_B_C.shape[1]).to(policy.device)
+            advantages_B = torch.tensor(
+                [batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device
+            )
+            weights_B_C = token_weights(
+                mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_new_tokens
+            ).to(policy.device)
+            if cfg.truncated_is_cap is None:
+                old_B_C = sample_B_C
             else:
-                loss, stats = clipped_importance_sampling_loss(
-                    logprobs_B_C, sample_B_C, advantages_B, weights_B_C, mask_B_C, cfg.clip_epsilon
-                )
+                if update == 0:
+                    trainer_old.append(logprobs_B_C.detach())
+                old_B_C = trainer_old[k]
+                weights_B_C = weights_B_C * truncated_is_weights(old_B_C, sample_B_C, mask_B_C, cfg.truncated_is_cap)
+            loss, mb_stats = compute_loss(logprobs_B_C, old_B_C, advantages_B, weights_B_C, mask_B_C)
             loss.backward()
             loss_total += float(loss.detach())
-            clip_tokens += float(stats.clip_fraction) * int(stats.n_tokens)
-            ratios.append(torch.exp(logprobs_B_C - sample_B_C).detach()[mask_B_C].cpu())
+            stats = stats + mb_stats
             if update == 0:
-                entropies.append(entropy(logprobs_B_C_V.detach())[mask_B_C].cpu())
-        max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
+                # trainer vs sampler: the loss's own ratio, unless truncated IS moved its denominator
+                sampler_stats = sampler_stats + (
+                    mb_stats if cfg.truncated_is_cap is None else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
+                )
+                entropy_B_C = entropy(logprobs_B_C_V.detach())
+                entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        ratio = torch.cat(ratios) if ratios else torch.ones(1)
-        step_metrics = {
-            "loss": loss_total,
-            # KL(sampler || trainer) by the k3 estimator on the ratio (Schulman 2020; CleanRL's approx_kl):
-            # exactly what must be 0 on the first update after sampling.
-            "approx_kl": float((ratio - 1 - ratio.log()).mean()),
-            "ratio_mean": float(ratio.mean()),
-            "ratio_std": float(ratio.std(unbiased=False)),
-            "ratio_max": float(ratio.max()),
-            "clip_fraction": clip_tokens / max(n_tokens, 1),
-            "grad_norm": grad_norm,
-        }
         if update == 0:
-            deviation = float((ratio - 1).abs().mean())
+            deviation = sampler_stats.ratio_abs_dev
             if deviation > cfg.ratio_tolerance:
                 raise RatioCheckError(
                     f"first-update importance ratio deviates from 1 by {deviation:.2e} on average "
                     f"(tolerance {cfg.ratio_tolerance}): the trainer does not see the distribution the tokens "
                     "were sampled from. The batch was not trained on."
                 )
-            metrics.update(step_metrics)
-            metrics["first_ratio_abs_dev"] = deviation
-            metrics["entropy"] = float(torch.cat(entropies).mean()) if entropies else 0.0
-        else:
-            metrics.update({f"last_{k}": v for k, v in step_metrics.items()})
+            first = {
+                "loss": loss_total,
+                "sampler_kl": sampler_stats.kl,
+                "ratio_mean": sampler_stats.ratio_mean,
+                "ratio_std": sampler_stats.ratio_std,
+                "ratio_max": sampler_stats.ratio_max,
+                "first_ratio_abs_dev": deviation,
+                "clip_fraction": stats.clip_fraction,
+                "grad_norm": grad_norm,
+                "entropy": entropy_sum / n_tokens,
+            }
         if not math.isfinite(grad_norm):
             raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")
         optimizer.step()
-    metrics["n_tokens"] = float(n_tokens)
-    metrics["n_sequences"] = float(len(keep))
-    metrics["sampler_kl"] = metrics.pop("approx_kl")
-    metrics["n_dropped_groups"] = 0.0
-    metrics["last_ratio_std"] = metrics.get("last_ratio_std", math.nan)
-    return {k: v for k, v in metrics.items() if not k.startswith("last_") or k == "last_ratio_std"}
+    return UpdateStats(
+        **first,
+        n_tokens=float(n_tokens),
+        n_sequences=float(n_sequences),
+        n_dropped_groups=float(n_dropped_groups),
+        last_ratio_std=stats.ratio_std if cfg.updates_per_batch > 1 else math.nan,
+    )

@@ -9,9 +9,8 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.kl import sequence_kl
+from redteam_grpo.core.kl import policy_reference_logprobs, sequence_kl
 from redteam_grpo.core.novelty import novelty_scores
-from redteam_grpo.core.policy import untempered_logprobs
 from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
@@ -62,8 +61,8 @@ def score_stage(run_dir: str, iteration: int) -> str:
         step = cfg.training.micro_batch_size
         for start in range(0, len(completion_ids), step):
             p, c = prompt_ids[start : start + step], completion_ids[start : start + step]
-            pol, mask = untempered_logprobs(res.policy, p, c, reference=False)
-            ref, _ = untempered_logprobs(res.policy, p, c, reference=True)
+            # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T)
+            pol, ref, mask = policy_reference_logprobs(res.policy, p, c)
             kl.extend(sequence_kl(pol, ref, mask).tolist())
             for b, ids in enumerate(c):
                 policy_lp.append(pol[b, : len(ids)].tolist())

@@ -59,6 +59,7 @@ def train_step_stage(run_dir: str, iteration: int) -> str:
             sample_logprobs=rollouts["sampling_logprobs"],
             advantages=[advantages["advantage"][i] for i in rows],
             group_ids=rollouts["prompt_id"],
+            max_new_tokens=cfg.sampling.max_new_tokens,
         )
         res.ensure_version(iteration - 1)
         update = policy_gradient_step(res.policy, res.optimizer, batch, cfg.training)

@@ -101,3 +101,37 @@ def test_malformed_file_is_a_clear_error(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_loss_family_defaults_are_the_papers_values():
+    t = Config().training
+    assert t.loss == "importance_sampling" and t.loss_normalization == "token"
+    assert (t.ppo_clip_epsilon_low, t.ppo_clip_epsilon_high) == (0.2, 0.28)  # DAPO
+    assert (t.gspo_epsilon_low, t.gspo_epsilon_high) == (3e-4, 4e-4)  # GSPO, section 5.1
+    assert t.truncated_is_cap is None and t.dynamic_sampling is False
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["training.gspo_epsilon_low=0.01"], "training.gspo_epsilon_low only applies to training.loss=gspo"),
+        (["training.loss=gspo", "training.ppo_clip_epsilon_high=0.3"], "set training.loss=ppo_clip, or leave"),
+        (
+            ["training.loss=ppo_clip", "training.ppo_clip_epsilon_low=1.0"],
+            "training.ppo_clip_epsilon_low=1.0 must be in (0, 1)",
+        ),
+        (["training.loss=gspo", "training.gspo_epsilon_high=0"], "training.gspo_epsilon_high=0.0 must be > 0"),
+        (["training.truncated_is_cap=0.5"], "training.truncated_is_cap=0.5 must be >= 1"),
+        (["training.loss=dapo"], "training.loss"),
+        (["training.loss_normalization=length"], "training.loss_normalization"),
+    ],
+)
+def test_loss_settings_that_cannot_work_are_named_with_the_way_out(overrides, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert named in str(err.value)
+
+
+def test_the_replaced_clip_epsilon_is_refused_naming_the_ppo_clip_settings():
+    with pytest.raises(ConfigError, match=r"training\.clip_epsilon: replaced by training\.loss=ppo_clip"):
+        load_config(None, ["training.clip_epsilon=0.2"])

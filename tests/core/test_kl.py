@@ -1,6 +1,21 @@
+"""The KL term: the k3 estimator, and that it estimates KL(policy_T || reference_T) for the distribution sampled."""
+
+import math
+
+import pytest
 import torch
 
-from redteam_grpo.core.kl import k3_kl, sequence_kl
+from redteam_grpo.core.chat import format_prompt_ids
+from redteam_grpo.core.kl import k3_kl, policy_reference_logprobs, sequence_kl
+from redteam_grpo.core.logprobs import SamplingDistribution
+from redteam_grpo.core.policy import completion_logits
+from redteam_grpo.core.sampling import sample_completions
+
+PROMPTS = [
+    "Hi",
+    "Tell me, in as much detail as you can manage, what you really think about the people who live next door.",
+    "Describe my coworker.",
+]
 
 
 def test_k3_is_zero_when_policy_equals_reference_and_positive_otherwise():
@@ -22,3 +37,46 @@ def test_k3_estimates_the_true_kl_from_policy_samples():
     samples = torch.multinomial(p, 200_000, replacement=True, generator=gen)
     estimate = k3_kl(p.log()[samples][None], q.log()[samples][None], torch.ones(1, 200_000, dtype=torch.bool)).mean()
     assert abs(estimate - true_kl) < 0.01
+
+
+def _exact_kl_B_C(policy_logprobs_B_C_V: torch.Tensor, reference_logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
+    """sum_v p(v) (log p(v) - log q(v)) at every position, with 0 log 0 = 0 (suppressed ids)."""
+    p = policy_logprobs_B_C_V.exp()
+    terms = torch.where(p > 0, p * (policy_logprobs_B_C_V - reference_logprobs_B_C_V), torch.zeros_like(p))
+    return terms.sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_kl_estimate_is_unbiased_for_the_kl_between_the_distributions_sampled_at_any_temperature(
+    tiny_policy, temperature
+):
+    # A perturbed adapter, so the policy is far from the reference (exact per-token KL about 1 nat).
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in tiny_policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.35)
+    tiny_policy.distribution = SamplingDistribution(temperature, tiny_policy.distribution.suppressed_ids)
+    prompt_ids = [format_prompt_ids(tiny_policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
+    completions = sample_completions(tiny_policy, prompt_ids, group_size=32, max_new_tokens=24, batch_size=96, seed=0)
+    prompts = [prompt_ids[c.prompt_index] for c in completions]
+    ids = [c.completion_ids for c in completions]
+
+    policy_lp, reference_lp, mask = policy_reference_logprobs(tiny_policy, prompts, ids)
+    estimate = k3_kl(policy_lp, reference_lp, mask)[mask].double()
+
+    # The exact KL over the whole vocabulary at every sampled position, between the distributions the sampler
+    # uses (temperature and suppressed ids applied to the policy's and to the reference's logits).
+    with torch.no_grad():
+        logits, _, exact_mask = completion_logits(tiny_policy, prompts, ids)
+        with tiny_policy.reference():
+            reference_logits, _, _ = completion_logits(tiny_policy, prompts, ids)
+    dist = tiny_policy.distribution
+    exact = _exact_kl_B_C(dist.logprobs(logits), dist.logprobs(reference_logits))[exact_mask].double()
+
+    # Given its prefix, each k3 term has mean exactly the position's KL, so estimate - exact has mean 0 and
+    # uncorrelated terms: its sample mean is within a few standard errors of 0.
+    difference = estimate - exact
+    standard_error = difference.std() / math.sqrt(difference.numel())
+    assert difference.numel() > 1000 and exact.mean() > 0.5
+    assert abs(difference.mean()) < 3 * standard_error, (float(estimate.mean()), float(exact.mean()))

@@ -1,17 +1,43 @@
+"""The loss family on hand-worked numbers: each value in a comment is computed by hand from the inputs above it."""
+
+import math
+
 import pytest
 import torch
 
-from redteam_grpo.core.loss import clipped_importance_sampling_loss, importance_sampling_loss, token_weights
+from redteam_grpo.core.loss import (
+    LossStats,
+    gspo_loss,
+    importance_sampling_loss,
+    ppo_clip_loss,
+    ratio_stats,
+    token_weights,
+    truncated_is_weights,
+)
+
+MASK = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])  # lengths 2, 3, 1
 
 
 def test_token_weights_sum_to_one_over_the_batch_even_when_split_into_micro_batches():
-    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
-    whole = token_weights(mask, "token", n_tokens=6, n_sequences=3).sum()
-    parts = token_weights(mask[:2], "token", 6, 3).sum() + token_weights(mask[2:], "token", 6, 3).sum()
+    whole = token_weights(MASK, "token", n_tokens=6, n_sequences=3).sum()
+    parts = token_weights(MASK[:2], "token", 6, 3).sum() + token_weights(MASK[2:], "token", 6, 3).sum()
     assert whole == pytest.approx(1.0) and parts == pytest.approx(1.0)
-    seq = token_weights(mask, "sequence", n_tokens=6, n_sequences=3)
-    # each sequence weighs 1/3 whatever its length
+    seq = token_weights(MASK, "sequence", n_tokens=6, n_sequences=3)
+    # each sequence weighs 1/3 whatever its length: 1/6 per token of the first, 1/9 of the second, 1/3 of the third
     torch.testing.assert_close(seq.sum(-1), torch.full((3,), 1 / 3))
+    torch.testing.assert_close(seq[:, 0], torch.tensor([1 / 6, 1 / 9, 1 / 3]))
+
+
+def test_constant_weights_divide_by_sequences_times_max_new_tokens():
+    # Dr. GRPO: 3 sequences x max_new_tokens 4 = 12, so every token weighs 1/12 whatever the lengths;
+    # the 6 tokens sum to 6/12 = 0.5 (not 1: the batch is shorter than its budget).
+    weights = token_weights(MASK, "constant", n_tokens=6, n_sequences=3, max_new_tokens=4)
+    torch.testing.assert_close(weights, MASK.float() / 12)
+    # micro-batches [0:2] and [2:3] use the batch's 3 sequences, not their own 2 and 1
+    parts = token_weights(MASK[:2], "constant", 6, 3, 4).sum() + token_weights(MASK[2:], "constant", 6, 3, 4).sum()
+    assert parts.item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        token_weights(MASK, "constant", 6, 3)
 
 
 def test_on_policy_loss_value_and_gradient_are_the_plain_policy_gradient():
@@ -26,27 +52,130 @@ def test_on_policy_loss_value_and_gradient_are_the_plain_policy_gradient():
     loss.backward()
     # d loss / d logprob = -A * ratio * w  -> [-1/3, -1/3], [2/3, 0]
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1 / 3, -1 / 3], [2 / 3, 0.0]]))
-    assert stats.ratio_mean.item() == pytest.approx(1.0) and stats.ratio_std.item() == pytest.approx(0.0)
+    assert stats.ratio_mean == pytest.approx(1.0) and stats.ratio_std == pytest.approx(0.0)
+    assert stats.n_tokens == 3 and stats.kl == pytest.approx(0.0) and stats.clip_fraction == 0.0
 
 
 def test_masked_positions_holding_minus_inf_do_not_produce_nan():
     logprobs = torch.tensor([[-1.0, float("-inf")]], requires_grad=True)
     sample = torch.tensor([[-1.0, 0.0]])
     mask = torch.tensor([[True, False]])
-    loss, _ = importance_sampling_loss(logprobs, sample, torch.tensor([1.0]), token_weights(mask, "token", 1, 1), mask)
+    for loss_fn in (
+        importance_sampling_loss,
+        lambda *a: ppo_clip_loss(*a, epsilon_low=0.2, epsilon_high=0.28),
+        lambda *a: gspo_loss(*a, epsilon_low=3e-4, epsilon_high=4e-4),
+    ):
+        logprobs.grad = None
+        loss, _ = loss_fn(logprobs, sample, torch.tensor([1.0]), token_weights(mask, "token", 1, 1), mask)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+# Two sequences of 3 tokens: the first with advantage +1, the second -1. Token weights 1/6.
+PPO_RATIOS = torch.tensor([[1.5, 1.25, 0.7], [0.7, 0.9, 1.5]])
+PPO_ADVANTAGES = torch.tensor([1.0, -1.0])
+
+
+def test_ppo_clip_with_clip_higher_uses_separate_low_and_high_ranges():
+    logprobs = PPO_RATIOS.log().requires_grad_()
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    loss, stats = ppo_clip_loss(
+        logprobs, torch.zeros(2, 3), PPO_ADVANTAGES, token_weights(mask, "token", 6, 2), mask, 0.2, 0.28
+    )
+    # clip range [0.8, 1.28]; the objective per token is min(r A, clip(r) A):
+    #   A = +1: 1.5 -> min(1.5, 1.28) = 1.28 (clipped); 1.25 -> 1.25 (inside 1.28: DAPO's clip-higher keeps it,
+    #           symmetric 0.2 would clip it at 1.2); 0.7 -> min(0.7, 0.8) = 0.7 (unclipped: the min keeps r)
+    #   A = -1: 0.7 -> min(-0.7, -0.8) = -0.8 (clipped); 0.9 -> -0.9; 1.5 -> min(-1.5, -1.28) = -1.5 (unclipped)
+    # sum = 1.28 + 1.25 + 0.7 - 0.8 - 0.9 - 1.5 = 0.03; loss = -0.03 / 6 = -0.005
+    assert loss.item() == pytest.approx(-0.005, abs=1e-6)
     loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    # d loss / d logprob = -w A r where unclipped, 0 where clipped
+    expected = torch.tensor([[0.0, -1.25, -0.7], [0.0, 0.9, 1.5]]) / 6
+    torch.testing.assert_close(logprobs.grad, expected)
+    assert stats.clip_fraction == pytest.approx(2 / 6) and stats.n_clipped == 2
 
 
-def test_clipped_loss_stops_the_gradient_past_the_clip_range():
+def test_symmetric_ppo_clip_stops_the_gradient_past_the_clip_range():
     sample = torch.tensor([[0.0, 0.0]])
     logprobs = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()  # ratios 1.5 (clipped) and 1.1
     mask = torch.tensor([[True, True]])
-    loss, stats = clipped_importance_sampling_loss(
-        logprobs, sample, torch.tensor([1.0]), token_weights(mask, "token", 2, 1), mask, clip_epsilon=0.2
+    loss, stats = ppo_clip_loss(
+        logprobs,
+        sample,
+        torch.tensor([1.0]),
+        token_weights(mask, "token", 2, 1),
+        mask,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
     )
     loss.backward()
     assert logprobs.grad[0, 0] == 0.0 and logprobs.grad[0, 1] != 0.0
-    assert stats.clip_fraction.item() == pytest.approx(0.5)
+    assert stats.clip_fraction == pytest.approx(0.5)
     # objective = (1.2 + 1.1) / 2
     assert loss.item() == pytest.approx(-(1.2 + 1.1) / 2)
+
+
+def test_gspo_clips_one_ratio_per_sequence_the_geometric_mean_of_its_token_ratios():
+    # sequence 0: token ratios 2 and 1/2 -> s = exp((log 2 - log 2) / 2) = 1, inside [1 - 3e-4, 1 + 4e-4]
+    # sequence 1: token log-ratios 0.0015, 0, 0 -> s = exp(0.0005) = 1.0005 > 1.0004: clipped (A = +1)
+    log_ratios = torch.tensor([[math.log(2.0), math.log(0.5), 0.0], [0.0015, 0.0, 0.0]])
+    logprobs = log_ratios.clone().requires_grad_()
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    weights = token_weights(mask, "sequence", n_tokens=5, n_sequences=2)  # the paper's 1/G per sequence
+    loss, stats = gspo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), weights, mask, 3e-4, 4e-4)
+    # objective = 1/2 * min(1, 1) + 1/2 * min(1.0005, 1.0004) = 1/2 + 1.0004/2 = 1.0002
+    assert loss.item() == pytest.approx(-1.0002, abs=1e-6)
+    loss.backward()
+    # sequence 0: d/d lp_t of -(1/2) s A, s = exp(mean lp) -> -(1/2) * s * A / |y| = -(1/2)(1)(1)/2 = -1/4 per token
+    #   (a per-token ratio would clip the ratio-2 token and give [0, -1/4 * 1/2]: different)
+    # sequence 1: clipped, no gradient
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -0.25, 0.0], [0.0, 0.0, 0.0]]))
+    # clip counted per token of clipped sequences: 3 of 5; ratio stats are of the token ratios
+    assert stats.n_clipped == 3 and stats.clip_fraction == pytest.approx(3 / 5)
+    token_ratios = torch.tensor([2.0, 0.5, math.exp(0.0015), 1.0, 1.0], dtype=torch.float64)
+    assert stats.ratio_mean == pytest.approx(float(token_ratios.mean()), rel=1e-6)
+    assert stats.ratio_max == pytest.approx(2.0)
+
+
+def test_gspo_with_a_negative_advantage_clips_below():
+    # one sequence, token log-ratios -0.001, -0.001 -> s = exp(-0.001) = 0.9990005 < 1 - 3e-4 = 0.9997, A = -1:
+    # min(-0.9990005, -0.9997) = -0.9997 (clipped, no gradient); loss = +0.9997
+    logprobs = torch.tensor([[-0.001, -0.001]], requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, stats = gspo_loss(
+        logprobs, torch.zeros(1, 2), torch.tensor([-1.0]), token_weights(mask, "sequence", 2, 1), mask, 3e-4, 4e-4
+    )
+    assert loss.item() == pytest.approx(0.9997, abs=1e-7)
+    loss.backward()
+    assert torch.equal(logprobs.grad, torch.zeros(1, 2)) and stats.clip_fraction == 1.0
+
+
+def test_truncated_is_weights_are_the_capped_detached_trainer_over_sampler_ratio():
+    # Yao et al. 2025: min(p_trainer / p_sampler, C), C = 2
+    trainer = torch.tensor([[0.6, 0.3, 0.5, 0.4]]).log().requires_grad_()
+    sampler = torch.tensor([[0.2, 0.6, 0.5, 0.1]]).log()
+    mask = torch.tensor([[True, True, True, False]])
+    weights = truncated_is_weights(trainer, sampler, mask, cap=2.0)
+    # 0.6/0.2 = 3 -> capped at 2; 0.3/0.6 = 0.5; equal -> 1; masked -> 1
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 1.0, 1.0]]))
+    assert not weights.requires_grad  # a constant factor: no gradient flows through it
+
+
+def test_loss_stats_add_up_exactly_over_micro_batches():
+    ratios = torch.tensor([[1.5, 1.25, 0.7], [0.7, 0.9, 1.5], [1.1, 2.0, 0.5]])
+    mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
+    values = ratios[mask].double()
+    whole = ratio_stats(ratios.log(), torch.zeros(3, 3), mask)
+    parts = ratio_stats(ratios[:1].log(), torch.zeros(1, 3), mask[:1]) + ratio_stats(
+        ratios[1:].log(), torch.zeros(2, 3), mask[1:]
+    )
+    for stats in (whole, parts):
+        assert stats.n_tokens == 6
+        assert stats.ratio_mean == pytest.approx(float(values.mean()))
+        assert stats.ratio_std == pytest.approx(float(values.std()))  # sample std, n - 1
+        assert stats.ratio_max == pytest.approx(1.5)
+        assert stats.ratio_abs_dev == pytest.approx(float((values - 1).abs().mean()))
+        assert stats.kl == pytest.approx(float((values - 1 - values.log()).mean()))
+    empty = LossStats()
+    assert empty.n_tokens == 0 and math.isnan(empty.ratio_mean) and math.isnan(empty.ratio_std)
+    assert (empty + whole) == whole

@@ -1,12 +1,14 @@
-"""Invariants of sampler, reference and trainer on the embedded tiny model (bug classes: docs/bug-classes.md)."""
+"""Invariants of sampler, reference and trainer on the embedded tiny model."""
+
+import math
 
 import pytest
 import torch
 
 from redteam_grpo.core.chat import format_prompt_ids, format_sft_ids
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
-from redteam_grpo.core.kl import sequence_kl
-from redteam_grpo.core.policy import PolicyError, load_policy, untempered_logprobs
+from redteam_grpo.core.kl import policy_reference_logprobs, sequence_kl
+from redteam_grpo.core.policy import PolicyError, load_policy
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
 
@@ -29,6 +31,7 @@ def _batch(prompt_ids, completions, advantages=None):
         completion_ids=[c.completion_ids for c in completions],
         sample_logprobs=[c.sample_logprobs for c in completions],
         advantages=advantages or [float((-1) ** i) for i in range(len(completions))],
+        group_ids=[str(c.prompt_index) for c in completions],
     )
 
 
@@ -51,33 +54,31 @@ def test_prompts_of_very_different_lengths_are_sampled_with_left_padding_and_cut
 def test_first_update_ratio_is_one_and_kl_is_zero(tiny_policy):
     prompt_ids, completions = _sample(tiny_policy)
     batch = _batch(prompt_ids, completions)
-    pol, mask = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
-    ref, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
+    pol, ref, mask = policy_reference_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids)
     assert sequence_kl(pol, ref, mask).abs().max() == 0.0  # LoRA B starts at 0: policy == base exactly
-    metrics = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), batch, TrainingConfig())
-    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
-    assert metrics["first_ratio_abs_dev"] < 1e-5
-    assert metrics["approx_kl"] == pytest.approx(0.0, abs=1e-8)
+    stats = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), batch, TrainingConfig())
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert stats.ratio_max == pytest.approx(1.0, abs=1e-4)
+    assert stats.first_ratio_abs_dev < 1e-5
+    assert stats.sampler_kl == pytest.approx(0.0, abs=1e-8)
+    assert math.isnan(stats.last_ratio_std)  # one update per batch: there is no later ratio
 
 
 def test_ratio_moves_away_from_one_after_an_update_on_the_same_batch(tiny_policy):
     prompt_ids, completions = _sample(tiny_policy)
     cfg = TrainingConfig(updates_per_batch=2, learning_rate=1e-2)
-    metrics = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), _batch(prompt_ids, completions), cfg)
-    assert metrics["ratio_std"] < 1e-5
-    assert metrics["last_ratio_std"] > 1e-3
+    stats = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), _batch(prompt_ids, completions), cfg)
+    assert stats.ratio_std < 1e-5
+    assert stats.last_ratio_std > 1e-3
 
 
 def test_reference_logprobs_do_not_change_when_the_adapter_trains(tiny_policy):
     prompt_ids, completions = _sample(tiny_policy)
     batch = _batch(prompt_ids, completions)
-    ref_before, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
-    pol_before, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    pol_before, ref_before, _ = policy_reference_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids)
     cfg = TrainingConfig(learning_rate=1e-2, updates_per_batch=3)
     policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), batch, cfg)
-    ref_after, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=True)
-    pol_after, _ = untempered_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids, reference=False)
+    pol_after, ref_after, _ = policy_reference_logprobs(tiny_policy, batch.prompt_ids, batch.completion_ids)
     assert torch.equal(ref_before, ref_after)
     assert (pol_before - pol_after).abs().max() > 1e-3
 
@@ -150,10 +151,10 @@ def test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling(tin
     tiny_policy.model.generation_config.top_k = 50
     tiny_policy.model.base_model.model.generation_config.top_k = 50
     prompt_ids, completions = _sample(tiny_policy)
-    metrics = policy_gradient_step(
+    stats = policy_gradient_step(
         tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), _batch(prompt_ids, completions), TrainingConfig()
     )
-    assert metrics["first_ratio_abs_dev"] < 1e-5
+    assert stats.first_ratio_abs_dev < 1e-5
 
 
 def test_sampler_refuses_a_distribution_the_trainer_would_not_replay(tiny_policy, monkeypatch):
@@ -177,8 +178,8 @@ def test_lora_dropout_does_not_make_the_first_ratio_noisy(embedded_assets):
     prompt_ids, completions = _sample(policy)
     policy_gradient_step(policy, optimizer, _batch(prompt_ids, completions), cfg)
     prompt_ids, completions = _sample(policy, seed=1)
-    metrics = policy_gradient_step(policy, optimizer, _batch(prompt_ids, completions), cfg)
-    assert metrics["first_ratio_abs_dev"] < 1e-5
+    stats = policy_gradient_step(policy, optimizer, _batch(prompt_ids, completions), cfg)
+    assert stats.first_ratio_abs_dev < 1e-5
 
 
 def test_a_policy_left_in_training_mode_is_refused(tiny_policy):
@@ -195,10 +196,10 @@ def test_trainer_replays_token_suppression_of_the_sampler(tiny_policy):
     tiny_policy.distribution = SamplingDistribution(0.7, tuple(range(vocab // 4, vocab // 2)))
     prompt_ids, completions = _sample(tiny_policy)
     assert not any(vocab // 4 <= t < vocab // 2 for c in completions for t in c.completion_ids)
-    metrics = policy_gradient_step(
+    stats = policy_gradient_step(
         tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), _batch(prompt_ids, completions), TrainingConfig()
     )
-    assert metrics["first_ratio_abs_dev"] < 1e-5
+    assert stats.first_ratio_abs_dev < 1e-5
 
 
 def test_a_ratio_that_is_not_one_on_the_first_update_refuses_the_step(tiny_policy):
@@ -207,7 +208,11 @@ def test_a_ratio_that_is_not_one_on_the_first_update_refuses_the_step(tiny_polic
     prompt_ids, completions = _sample(tiny_policy)
     batch = _batch(prompt_ids, completions)
     stale = TrainBatch(  # logprobs that are not those of the sampled distribution (e.g. read from a wrong column)
-        batch.prompt_ids, batch.completion_ids, [[0.0] * len(x) for x in batch.sample_logprobs], batch.advantages
+        batch.prompt_ids,
+        batch.completion_ids,
+        [[0.0] * len(x) for x in batch.sample_logprobs],
+        batch.advantages,
+        batch.group_ids,
     )
     before = {k: v.clone() for k, v in tiny_policy.adapter_state().items()}
     with pytest.raises(RatioCheckError, match="deviates from 1"):
