@@ -87,7 +87,7 @@ METRICS: tuple[Metric, ...] = (
     _m("ratio_std", "±ratio", "Sample std of the first update's importance ratio.", "{:.4f}", LOG, TABLE),
     _m("ratio_max", "ratio max", "Largest importance ratio of the first update.", "{:.4f}"),
     _m("first_ratio_abs_dev", "|ratio-1|", "Mean |ratio − 1| on the first update (checked against a tolerance)."),
-    _m("clip_fraction", "clipped", "Share of tokens whose ratio was clipped.", "{:.3f}"),
+    _m("clip_fraction", "clipped", "Share of tokens whose term was clipped on the first update.", "{:.3f}"),
     _m("grad_norm", "grad", "Global gradient norm before clipping.", "{:.3f}"),
     _m("entropy", "ent", "Mean per-token entropy of the sampling distribution.", "{:.3f}", *_ALL),
     _m("n_tokens", "tokens", "Completion tokens trained on.", "{:.0f}"),

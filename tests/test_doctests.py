@@ -13,6 +13,7 @@ EXAMPLES_AT_LEAST = {
     "redteam_grpo.core.rewards": 6,
     "redteam_grpo.core.seeds": 1,
     "redteam_grpo.core.stopping": 2,
+    "redteam_grpo.core.train": 1,
 }
 
 
