@@ -42,14 +42,14 @@ def offline_environment(offline: bool) -> None:
         os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
-def _load(config: Path | None, overrides: list[str] | None):
+def _load(config: Path | None, overrides: list[str] | None, stored=None):
     from redteam_grpo.core.config import ConfigError, Secrets, load_config
 
     secrets = Secrets()  # HF_TOKEN etc. from the environment or ./.env
     if secrets.hf_token is not None:
         os.environ.setdefault("HF_TOKEN", secrets.hf_token.get_secret_value())
     try:
-        return load_config(config, overrides or [])
+        return load_config(config, overrides or [], stored.model_dump(mode="json") if stored is not None else None)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -63,8 +63,6 @@ def run(
     verbose: VerboseOption = False,
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
-    cfg = _load(config, set_) if (config or set_ or not resume) else None
-    offline_environment(cfg.run.offline if cfg else True)
     from redteam_grpo.storage.lineage import LineageError
     from redteam_grpo.storage.rundir import RunDir, RunDirError
 
@@ -75,6 +73,9 @@ def run(
         except RunDirError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
+    # A resumed run's --config/--set change its stored config, never the defaults.
+    cfg = _load(config, set_, stored) if (config or set_ or stored is None) else None
+    offline_environment((cfg or stored).run.offline)
     quiet_libraries(verbose or (cfg or stored).logging.level == "DEBUG")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

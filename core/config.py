@@ -8,6 +8,7 @@ in `configs/qwen3-4b-instruct.yaml`.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from pathlib import Path
@@ -409,9 +410,17 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
 
 
-def load_config(path: Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the file (if any), then dotted overrides, validated once at the end."""
-    raw = read_config_file(path) if path else {}
+def load_config(
+    path: Path | None = None, overrides: list[str] | tuple[str, ...] = (), base: dict[str, Any] | None = None
+) -> Config:
+    """`base` (a stored run's config; else the defaults), then the file's keys (if any), then dotted overrides,
+    validated once at the end."""
+    raw = copy.deepcopy(base) if base is not None else {}
+    for section, values in (read_config_file(path) if path else {}).items():
+        if isinstance(values, dict) and isinstance(raw.get(section), dict):
+            raw[section].update(values)
+        else:
+            raw[section] = values
     for assignment in overrides:
         apply_override(raw, assignment)
     return validate_config(raw)

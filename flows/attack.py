@@ -77,15 +77,20 @@ def prepare_run(config: Config | None, resume: str | Path | None) -> RunDir:
 
 
 def requested_config(
-    config: dict[str, Any] | None, config_path: str | None, overrides: list[str] | None
+    config: dict[str, Any] | None,
+    config_path: str | None,
+    overrides: list[str] | None,
+    resume: str | Path | None = None,
 ) -> Config | None:
-    """The config asked for: a nested dict, or a YAML file and/or `key=value` overrides (not both ways)."""
+    """The config asked for: a nested dict, or a YAML file and/or `key=value` overrides (not both ways). When a
+    run is resumed, the file and overrides change its stored config, not the defaults."""
     if config is not None and (config_path or overrides):
         raise ConfigError("give either config (a dict) or config_path/overrides, not both")
     if config is not None:
         return validate_config(config)
     if config_path or overrides:
-        return load_config(Path(config_path) if config_path else None, list(overrides or []))
+        base = RunDir.open(Path(resume)).stored_config().model_dump(mode="json") if resume is not None else None
+        return load_config(Path(config_path) if config_path else None, list(overrides or []), base)
     return None
 
 
@@ -113,7 +118,7 @@ def attack_run(
     working directory), with `overrides` such as "run.iterations=3"; defaults for the rest. `resume` is a run
     directory. `on_iteration(result)` is called after each iteration (the CLI's progress display).
     """
-    run = prepare_run(requested_config(config, config_path, overrides), resume)
+    run = prepare_run(requested_config(config, config_path, overrides, resume), resume)
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()

@@ -116,3 +116,15 @@ def test_resume_with_a_changed_config_is_refused_naming_the_fields(tmp_path):
     longer = _config(tmp_path, "changed", "run.iterations=2")
     attack.attack_run(config=longer.model_dump(mode="json"), resume=str(tmp_path / "changed"))
     assert RunDir.open(tmp_path / "changed").completed_iterations() == [0, 1]
+
+
+def test_overrides_on_resume_change_the_stored_config_not_the_defaults(tmp_path):
+    cfg = _config(tmp_path, "stored", "run.iterations=1", "reward.kl_weight=0.3", "reward.timeout_s=7")
+    attack.attack_run(config=cfg.model_dump(mode="json"))
+    # Only run.iterations is given: kl_weight 0.3 and timeout_s 7 must stay (applied to the defaults they would
+    # read as a refused change of reward.kl_weight, and a silent rewrite of reward.timeout_s).
+    attack.attack_run(resume=str(tmp_path / "stored"), overrides=["run.iterations=2"])
+    run = RunDir.open(tmp_path / "stored")
+    stored = run.stored_config()
+    assert run.completed_iterations() == [0, 1]
+    assert (stored.run.iterations, stored.reward.kl_weight, stored.reward.timeout_s) == (2, 0.3, 7.0)
