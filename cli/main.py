@@ -60,6 +60,10 @@ def run(
     config: ConfigOption = None,
     set_: SetOption = None,
     resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory.")] = None,
+    redo: Annotated[
+        str | None,
+        typer.Option(help="With --resume: recompute ITERATION or ITERATION/STAGE and all after it (e.g. 7/score)."),
+    ] = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
@@ -106,6 +110,7 @@ def run(
                 config=cfg.model_dump(mode="json") if cfg else None,
                 resume=str(resume) if resume else None,
                 on_iteration=on_iteration,
+                redo=redo,
             )
         except (RunDirError, LineageError) as exc:
             console.print(f"[red]error:[/red] {exc}")

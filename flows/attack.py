@@ -28,7 +28,7 @@ from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, loa
 from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.stopping import early_stop
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import RunDir, RunDirError, parse_redo
 from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
@@ -56,16 +56,24 @@ def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, flo
     return metrics
 
 
-def prepare_run(config: Config | None, resume: str | Path | None) -> RunDir:
+def prepare_run(config: Config | None, resume: str | Path | None, redo: str | None = None) -> RunDir:
     """A new run directory for `config`, or the one to resume (its config checked against `config`).
 
+    A resumed run first checks every file it recorded, so it never builds on a damaged one; `redo` (`7` or
+    `7/score`) drops that stage, the rest of its iteration and every later iteration, to be computed again.
     A run of a lineage records where it starts from once, before its first stage (storage/lineage.py).
     """
     if resume is None:
+        if redo is not None:
+            raise RunDirError("--redo needs --resume RUN: it recomputes part of an existing run")
         run = RunDir.create(config or Config())
     else:
         run = RunDir.open(Path(resume))
         run.check_resume_config(config, RESUMABLE_CHANGES)
+        if redo is not None:
+            dropped = run.forget_from(*parse_redo(redo))
+            stage_logger().warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
+        run.verify_all()
     lineage = run.stored_config().run.lineage
     if lineage is not None:
         record = read_lineage(run)
@@ -111,6 +119,7 @@ def attack_run(
     config_path: str | None = None,
     overrides: list[str] | None = None,
     on_iteration: Any = None,
+    redo: str | None = None,
 ) -> str:
     """Run (or resume) a red-team GRPO run; returns the run directory.
 
@@ -118,7 +127,7 @@ def attack_run(
     working directory), with `overrides` such as "run.iterations=3"; defaults for the rest. `resume` is a run
     directory. `on_iteration(result)` is called after each iteration (the CLI's progress display).
     """
-    run = prepare_run(requested_config(config, config_path, overrides, resume), resume)
+    run = prepare_run(requested_config(config, config_path, overrides, resume), resume, redo)
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()

@@ -8,8 +8,8 @@ storage/stages.py:
     advantages  reward, advantage
     metrics     one row per iteration: every metric of core/metrics.py
 
-Only files of stages the manifest records as completed are read, each checked against its schema first, so
-a query never mixes a half-written or foreign file into its answer.
+Only files of stages the manifest records as completed are read, each checked against its recorded checksum and its
+schema first, so a query never mixes a half-written, damaged or foreign file into its answer, nor leaves one out.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ def connect(run: RunDir) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     for view, stage in BY_VIEW.items():
         schema = stage.schema
-        files = run.recorded_files(stage)
-        for path in files:
-            if not path.is_file():
-                raise schemas.SchemaError(f"{path} is recorded as completed in the run's manifest but is missing")
+        files = []
+        for iteration in run.recorded_iterations(stage):
+            run.verify(stage, iteration)  # a recorded file that is missing or changed is an error, never skipped
+            path = run.path(stage, iteration)
             schemas.check_schema(pq.read_schema(path), schema, str(path))
+            files.append(path)
         if files:
             listed = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
             con.execute(f"create view {view} as select * from read_parquet([{listed}])")

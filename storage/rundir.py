@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import sha256_file, write_atomic, write_json_atomic
-from redteam_grpo.storage.stages import CHECKPOINT, Stage
+from redteam_grpo.storage.stages import ATTACK_ITERATION, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
 RUN_FORMAT = 2
@@ -47,6 +47,18 @@ def checkpoint_name(version: int) -> str:
     return "init" if version < 0 else f"iter_{version:04d}"
 
 
+def parse_redo(text: str) -> tuple[Stage, int]:
+    """`7` (all of iteration 7) or `7/score` (iteration 7 from its score stage on) as (stage, iteration)."""
+    number, _, name = text.partition("/")
+    stage = BY_NAME.get(name or ATTACK_ITERATION[0].name)
+    if not number.strip().isdigit() or stage is None:
+        raise RunDirError(
+            f"--redo {text!r} is not ITERATION or ITERATION/STAGE: e.g. --redo 7 or --redo 7/train_step "
+            f"(stages: {', '.join(s.name for s in ATTACK_ITERATION)})"
+        )
+    return stage, int(number)
+
+
 def _manifest_key(stage: Stage, iteration: int) -> str:
     return f"{iteration}/{stage.name}"
 
@@ -58,6 +70,26 @@ def _parse_manifest_key(key: str) -> tuple[int, str]:
 
 class RunDirError(RuntimeError):
     """A run directory cannot be used as asked; the message says why and what to do."""
+
+
+class DamagedRunError(RunDirError):
+    """A file the manifest records is missing or no longer matches its checksum."""
+
+
+# sha256 of files already checked by this process, by (path, size, mtime): each file is hashed once per change.
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def file_digest(path: Path) -> str | None:
+    """The file's sha256, or None if it does not exist."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
 
 
 def new_run_id(name: str) -> str:
@@ -96,8 +128,10 @@ class RunDir:
     # -- stage tables --------------------------------------------------------------------------------------
 
     def read(self, stage: Stage, iteration: int) -> pa.Table:
-        """The stage's table of `iteration`, its schema checked before any value is used."""
+        """The stage's table of `iteration`, checked against the manifest (size and checksum) and its schema before
+        any value is used."""
         assert stage.schema is not None
+        self.verify(stage, iteration)
         return schemas.read_table(self.path(stage, iteration), stage.schema)
 
     def write(self, stage: Stage, iteration: int, table: pa.Table) -> Path:
@@ -197,15 +231,70 @@ class RunDir:
         self._update_manifest(lambda data: data["stages"].__setitem__(key, entry))
 
     def completed(self, stage: Stage, iteration: int) -> dict[str, Any] | None:
-        """The manifest entry if the stage of `iteration` completed and its files are intact, else None."""
+        """The manifest entry if the stage of `iteration` completed and its files are intact, else None (the
+        stage is then computed again)."""
         entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
         if entry is None:
             return None
-        for rel, digest in entry["files"].items():
-            path = self.root / rel
-            if not path.is_file() or sha256_file(path) != digest:
-                return None
+        if any(file_digest(self.root / rel) != digest for rel, digest in entry["files"].items()):
+            return None
         return entry
+
+    def verify(self, stage: Stage, iteration: int) -> dict[str, Any]:
+        """The manifest entry of a completed stage whose files are intact; else an error that names the file, what
+        depends on it and the command that recomputes it."""
+        entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
+        if entry is None:
+            raise RunDirError(
+                f"{stage.name} of iteration {iteration} is not recorded as completed in {self.manifest_path}: "
+                f"resume the run (redteam-grpo run --resume {self.root})"
+            )
+        for rel, digest in entry["files"].items():
+            found = file_digest(self.root / rel)
+            if found != digest:
+                problem = "is missing" if found is None else "does not match the checksum recorded when it was written"
+                raise DamagedRunError(
+                    f"{self.root / rel} {problem}: {stage.name} of iteration {iteration} is damaged, and what was "
+                    f"computed from it (the later stages of iteration {iteration} and every later iteration) cannot "
+                    f"be trusted. Recompute from there with: redteam-grpo run --resume {self.root} "
+                    f"--redo {iteration}/{stage.name}"
+                )
+        return entry
+
+    def verify_all(self) -> None:
+        """Check every file the manifest records (what a resumed run builds on); the first damage is an error."""
+        for key in sorted(self.manifest()["stages"], key=_parse_manifest_key):
+            iteration, name = _parse_manifest_key(key)
+            self.verify(BY_NAME[name], iteration)
+
+    def forget_from(self, stage: Stage, iteration: int) -> list[str]:
+        """Drop `stage` of `iteration`, the stages after it and every later iteration from the manifest, so that a
+        resume recomputes them; unseal their checkpoints. Returns the dropped keys."""
+        order = [s.name for s in ATTACK_ITERATION]
+
+        def dropped(key: str) -> bool:
+            i, name = _parse_manifest_key(key)
+            return i > iteration or (i == iteration and order.index(name) >= order.index(stage.name))
+
+        def in_order(key: str) -> tuple[int, int]:
+            i, name = _parse_manifest_key(key)
+            return i, order.index(name)
+
+        keys = sorted((k for k in self.manifest()["stages"] if dropped(k)), key=in_order)
+        for key in keys:
+            i, name = _parse_manifest_key(key)
+            if name == CHECKPOINT.name:  # a sealed checkpoint must not outlive its manifest entry
+                (self.checkpoint_dir(i) / checkpoints.MANIFEST_FILE).unlink(missing_ok=True)
+
+        def change(data: dict[str, Any]) -> None:
+            for key in keys:
+                data["stages"].pop(key, None)
+            data.update(status="running")
+            data.pop("stop_kind", None)
+            data.pop("stop_reason", None)
+
+        self._update_manifest(change)
+        return keys
 
     def recorded_iterations(self, stage: Stage) -> list[int]:
         """Iterations whose `stage` the manifest records as completed (files not re-checked), in order."""

@@ -19,7 +19,7 @@ from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.lineage import fresh_prompts
-from redteam_grpo.storage.rundir import INIT_VERSION, RunDir
+from redteam_grpo.storage.rundir import INIT_VERSION, DamagedRunError, RunDir
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -57,8 +57,18 @@ class RunResources:
         if version == self.version:
             return
         folder = self.run.checkpoint_dir(version)
-        if version == INIT_VERSION:
-            checkpoints.read_manifest(folder)  # the initial adapter is a complete checkpoint
+        try:
+            checkpoints.read_manifest(folder)  # complete, and every file matches its checksum
+        except checkpoints.CheckpointError as exc:
+            if version == INIT_VERSION:
+                raise DamagedRunError(
+                    f"{exc}: the adapter this run started from is damaged. Resume the run to write it again "
+                    f"(redteam-grpo run --resume {self.run.root} --redo 0/sample)"
+                ) from None
+            raise DamagedRunError(
+                f"{exc}: the weights after iteration {version}, which every later iteration builds on, are damaged. "
+                f"Recompute them with: redteam-grpo run --resume {self.run.root} --redo {version}/train_step"
+            ) from None
         self.policy.load_adapter(folder / checkpoints.ADAPTER_FILE)
         if version == INIT_VERSION:
             self.optimizer = make_optimizer(self.policy, self.config.training)

@@ -17,6 +17,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BUG_CLASSES = [
     (
+        "damaged-checkpoint-trained-on",
+        "tasks/resources.py",
+        "            checkpoints.read_manifest(folder)  # complete, and every file matches its checksum",
+        "            pass",
+        "tests/tasks/test_stages.py::test_weights_whose_checkpoint_is_damaged_are_refused_when_loaded",
+    ),
+    (
+        "resume-ignores-damaged-files",
+        "flows/attack.py",
+        "        run.verify_all()",
+        "        pass",
+        "tests/flows/test_attack_flow.py::test_a_damaged_checkpoint_is_never_trained_on_and_redo_recomputes_it_bit_for_bit",
+    ),
+    (
         "mask-off-by-one",
         "core/masks.py",
         "first_logit = offset + len(prompt) - 1",

@@ -128,3 +128,31 @@ def test_overrides_on_resume_change_the_stored_config_not_the_defaults(tmp_path)
     stored = run.stored_config()
     assert run.completed_iterations() == [0, 1]
     assert (stored.run.iterations, stored.reward.kl_weight, stored.reward.timeout_s) == (2, 0.3, 7.0)
+
+
+def test_a_damaged_checkpoint_is_never_trained_on_and_redo_recomputes_it_bit_for_bit(tmp_path):
+    cfg = _config(tmp_path, "damaged", "run.iterations=2")
+    attack.attack_run(config=cfg.model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "damaged")
+    longer = ["run.iterations=3"]
+    scores = run.path(SCORE, 0)  # an earlier iteration's file, which continuing would not even read
+    kept = scores.read_bytes()
+    scores.write_bytes(kept[: len(kept) // 2])
+    with pytest.raises(RunDirError) as err:
+        attack.attack_run(resume=str(run.root), overrides=longer)
+    assert str(scores) in str(err.value) and "--redo 0/score" in str(err.value)
+    scores.write_bytes(kept)
+
+    adapter = run.checkpoint_dir(1) / checkpoints.ADAPTER_FILE
+    intact = adapter.read_bytes()
+    flipped = bytearray(intact)
+    flipped[-16] ^= 0xFF  # a weight's bytes, not the header: the file still loads
+    adapter.write_bytes(bytes(flipped))
+    with pytest.raises(RunDirError) as err:
+        attack.attack_run(resume=str(run.root), overrides=longer)
+    assert str(adapter) in str(err.value) and "--redo 1/train_step" in str(err.value)
+    assert run.completed_iterations() == [0, 1]  # nothing was trained on the damaged weights
+
+    attack.attack_run(resume=str(run.root), overrides=longer, redo="1/train_step")
+    assert adapter.read_bytes() == intact  # the update of iteration 1 recomputed from checkpoint 0, bit for bit
+    assert run.completed_iterations() == [0, 1, 2] and run.manifest()["status"] == "completed"

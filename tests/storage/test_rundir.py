@@ -61,3 +61,38 @@ def test_a_run_of_an_earlier_format_is_refused_naming_what_moved(run):
     message = str(err.value)
     assert "run format 1" in message and "training.kl_beta -> reward.kl_weight" in message
     assert "kl_mean -> kl_base_mean" in message and "start a new run" in message
+
+
+def test_a_recorded_file_that_changed_or_vanished_is_named_with_the_command_that_recomputes_it(run):
+    from redteam_grpo.storage.rundir import DamagedRunError
+
+    path = run.write(ADVANTAGE, 3, _advantages(3))
+    run.record_done(ADVANTAGE, 3, [path])
+    assert run.read(ADVANTAGE, 3).num_rows == 1
+    path.write_bytes(path.read_bytes()[:-8])  # truncated
+    with pytest.raises(DamagedRunError) as err:
+        run.read(ADVANTAGE, 3)
+    assert str(path) in str(err.value) and "does not match the checksum" in str(err.value)
+    assert f"redteam-grpo run --resume {run.root} --redo 3/advantage" in str(err.value)
+    path.unlink()
+    with pytest.raises(DamagedRunError, match="is missing"):
+        run.verify_all()
+
+
+def test_redo_drops_the_stage_the_rest_of_its_iteration_and_later_iterations(run):
+    from redteam_grpo.storage.rundir import parse_redo
+    from redteam_grpo.storage.stages import CHECKPOINT, SAMPLE, TRAIN_STEP
+
+    for iteration in range(3):
+        for stage in (SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT):
+            run.record_done(stage, iteration, [])
+    run.set_status("early_stopped", stop_kind="reward_target", stop_reason="r")
+    dropped = run.forget_from(*parse_redo("1/advantage"))
+    assert dropped == ["1/advantage", "1/train_step", "1/checkpoint"] + [
+        f"2/{s}" for s in ("sample", "score", "advantage", "train_step", "checkpoint")
+    ]
+    assert run.completed(SCORE, 1) is not None and run.completed_iterations() == [0]
+    assert run.manifest()["status"] == "running" and "stop_kind" not in run.manifest()
+    assert parse_redo("4") == (SAMPLE, 4)
+    with pytest.raises(RunDirError, match="--redo 7/train_step"):
+        parse_redo("7/scores")

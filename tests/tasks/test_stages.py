@@ -41,10 +41,11 @@ def run(tmp_path):
 
 
 def _write(run, iteration, stage, table):
-    """Put a table in place by hand (not recorded in the manifest, whatever its schema)."""
+    """Put a table in place by hand, whatever its schema, and record it as the stage's output."""
     path = run.path(stage, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
+    run.record_done(stage, iteration, [path], stats={})
 
 
 def test_every_stage_output_is_read_back_by_the_next_stage(run):
@@ -170,3 +171,20 @@ def test_a_group_with_a_missing_sample_is_refused(run):
     _write(run, 0, SCORE, table.slice(1))
     with pytest.raises(ValueError, match=r"expected 0\.\.2"):
         advantage_stage.fn(root, 0)
+
+
+def test_weights_whose_checkpoint_is_damaged_are_refused_when_loaded(run):
+    from redteam_grpo.storage import checkpoints
+    from redteam_grpo.storage.rundir import DamagedRunError
+
+    root = str(run.root)
+    initialize_stage.fn(root)
+    for stage in (sample_stage, score_stage, advantage_stage, train_step_stage, checkpoint_stage):
+        stage.fn(root, 0)
+    adapter = run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE
+    flipped = bytearray(adapter.read_bytes())
+    flipped[-16] ^= 0xFF
+    adapter.write_bytes(bytes(flipped))
+    resources.forget(run.root)  # a new process: the weights come from disk
+    with pytest.raises(DamagedRunError, match=r"--redo 0/train_step"):
+        resources.resources_for(run.root).ensure_version(0)
