@@ -12,7 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from redteam_grpo.cli.console import VerboseOption, quiet_libraries
+from redteam_grpo.cli.console import VerboseOption, keep_tracebacks_off_console, quiet_libraries
+from redteam_grpo.cli.errors import user_errors
 
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
 config_app = typer.Typer(help="Inspect the configuration.", no_args_is_help=True)
@@ -56,6 +57,7 @@ def _load(config: Path | None, overrides: list[str] | None, stored=None):
 
 
 @app.command()
+@user_errors
 def run(
     config: ConfigOption = None,
     set_: SetOption = None,
@@ -80,7 +82,10 @@ def run(
     # A resumed run's --config/--set change its stored config, never the defaults.
     cfg = _load(config, set_, stored) if (config or set_ or stored is None) else None
     offline_environment((cfg or stored).run.offline)
-    quiet_libraries(verbose or (cfg or stored).logging.level == "DEBUG")
+    verbose = verbose or (cfg or stored).logging.level == "DEBUG"
+    quiet_libraries(verbose)
+    if not verbose:
+        keep_tracebacks_off_console()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from redteam_grpo.core.scorers import ScorerError
@@ -139,6 +144,7 @@ def _print_metrics(rows: list[dict]) -> None:
 
 
 @config_app.command("show")
+@user_errors
 def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
     """Print the full config (defaults, or with a file and overrides applied), every field documented."""
     from redteam_grpo.core.config import documented_defaults
@@ -153,6 +159,7 @@ def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
 
 
 @app.command()
+@user_errors
 def infer(
     run: Annotated[Path, typer.Option("--run", help="Run directory.")],
     prompt: Annotated[str, typer.Option(help="User prompt.")],

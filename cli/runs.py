@@ -12,7 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from redteam_grpo.cli.console import VerboseOption, quiet_libraries
+from redteam_grpo.cli.console import VerboseOption, keep_tracebacks_off_console, quiet_libraries
+from redteam_grpo.cli.errors import user_errors
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory (runs/<run-id>).")]
 
@@ -56,6 +57,7 @@ def _print_summary(df) -> None:
     Console().print(table)
 
 
+@user_errors
 def inspect(
     run_dir: RunArg,
     sql: Annotated[
@@ -112,6 +114,7 @@ def inspect(
     console.print(f"wrote {len(df)} rows to {out}")
 
 
+@user_errors
 def export(
     run_dir: RunArg,
     min_score: Annotated[float, typer.Option(help="Keep completions with toxicity >= this.")] = 0.5,
@@ -145,6 +148,7 @@ def export(
     console.print(f"{len(df)} examples with toxicity >= {min_score}: " + ", ".join(map(str, written)))
 
 
+@user_errors
 def report(
     run_dir: RunArg,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="HTML file (default: RUN/report.html).")] = None,
@@ -160,6 +164,7 @@ def report(
     console.print(f"report: {path}")
 
 
+@user_errors
 def evaluate(
     run_dir: RunArg,
     iteration: Annotated[int | None, typer.Option(help="Checkpoint after this iteration (default: newest).")] = None,
@@ -175,7 +180,10 @@ def evaluate(
     run = _open(run_dir)
     stored = run.stored_config()
     offline_environment(stored.run.offline)
-    quiet_libraries(verbose or stored.logging.level == "DEBUG")
+    verbose = verbose or stored.logging.level == "DEBUG"
+    quiet_libraries(verbose)
+    if not verbose:
+        keep_tracebacks_off_console()
     from redteam_grpo.flows.evaluate import evaluate as evaluate_flow
     from redteam_grpo.tasks.evaluate import EvaluationError
 

@@ -268,7 +268,7 @@ class RunConfig(_Section):
     """Where run folders are created."""
     iterations: int = Field(30, gt=0)
     """GRPO iterations (each: sample, score, advantage, train step, checkpoint)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     """Seed of everything: prompt order, LoRA init, sampling (per-iteration seeds derive from it)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device; auto = cuda if available."""
@@ -359,11 +359,18 @@ def _closest_key(bad_path: tuple[Any, ...]) -> str:
     return f" (did you mean `{options[0]}`?)" if options else f" (known keys: {', '.join(model.model_fields)})"
 
 
+def _problems(lines: list[str]) -> str:
+    """One line for one problem; a list for several."""
+    if len(lines) == 1:
+        return f"invalid configuration: {lines[0]}"
+    return "invalid configuration:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def validate_config(raw: dict[str, Any]) -> Config:
     """Build a Config from a nested dict; errors name every offending key."""
     moved = moved_keys(raw)
     if moved:
-        raise ConfigError("invalid configuration:\n" + "\n".join(f"  {line}" for line in moved))
+        raise ConfigError(_problems(moved))
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
@@ -371,17 +378,20 @@ def validate_config(raw: dict[str, Any]) -> Config:
         for err in exc.errors():
             key = ".".join(str(p) for p in err["loc"]) or "config"
             if err["type"] == "extra_forbidden":
-                lines.append(f"  {key}: unknown key{_closest_key(err['loc'])}")
+                lines.append(f"{key}: unknown key{_closest_key(err['loc'])}")
             else:
-                lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+                lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError(_problems(lines)) from None
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Read a YAML or JSON config file into a nested dict."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {exc.start}): save it as UTF-8") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
@@ -407,7 +417,13 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {assignment!r}: {part} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = str(exc).splitlines()[0]
+        raise ConfigError(
+            f"override {assignment!r}: the value is not valid YAML ({problem}); quote it, e.g. {key.strip()}='\"...\"'"
+        ) from None
 
 
 def load_config(

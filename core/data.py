@@ -40,6 +40,8 @@ def _read_local(path: Path) -> pd.DataFrame:
     reader = readers.get(path.suffix.lower())
     if reader is None:
         raise DataError(f"data.source {path}: unsupported file type {path.suffix!r} (use .jsonl, .csv or .parquet)")
+    if path.is_file() and path.suffix.lower() != ".parquet" and not path.read_bytes().strip():
+        raise DataError(f"data.source {path} is empty: it holds no prompts")
     try:
         return reader(path)
     except ValueError as exc:
@@ -112,3 +114,13 @@ def prompts_for_iteration(prompts: list[Prompt], iteration: int, per_iteration: 
         chosen.extend(prompts[i] for i in order[offset : offset + take])
         position += take
     return chosen
+
+
+def check_prompt_lengths(prompts: list[Prompt], prompt_ids: list[list[int]], max_prompt_tokens: int) -> None:
+    """Refuse prompts longer than `model.max_prompt_tokens` after chat formatting, naming them."""
+    too_long = [p.prompt_id for p, ids in zip(prompts, prompt_ids, strict=True) if len(ids) > max_prompt_tokens]
+    if too_long:
+        raise DataError(
+            f"{len(too_long)} prompts (e.g. {', '.join(too_long[:5])}) exceed model.max_prompt_tokens="
+            f"{max_prompt_tokens} after chat formatting: raise model.max_prompt_tokens or filter the data"
+        )

@@ -24,8 +24,11 @@ from typing import Any
 
 from prefect import flow
 
+from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
+from redteam_grpo.core.data import check_prompt_lengths, load_prompts
 from redteam_grpo.core.metrics import log_line
+from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.rundir import RunDir, RunDirError, parse_redo
@@ -56,6 +59,15 @@ def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, flo
     return metrics
 
 
+def check_inputs(cfg: Config) -> None:
+    """Every check of the data a run will read: the prompt source loads and every prompt fits
+    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later)."""
+    prompts = load_prompts(cfg.data)
+    tokenizer = load_tokenizer(cfg.model)
+    prompt_ids = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
+    check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
+
+
 def prepare_run(config: Config | None, resume: str | Path | None, redo: str | None = None) -> RunDir:
     """A new run directory for `config`, or the one to resume (its config checked against `config`).
 
@@ -66,7 +78,9 @@ def prepare_run(config: Config | None, resume: str | Path | None, redo: str | No
     if resume is None:
         if redo is not None:
             raise RunDirError("--redo needs --resume RUN: it recomputes part of an existing run")
-        run = RunDir.create(config or Config())
+        config = config or Config()
+        check_inputs(config)  # before the run directory exists: a bad input leaves nothing behind
+        run = RunDir.create(config)
     else:
         run = RunDir.open(Path(resume))
         run.check_resume_config(config, RESUMABLE_CHANGES)

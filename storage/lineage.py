@@ -23,7 +23,6 @@ from pathlib import Path
 from redteam_grpo.core.config import DataConfig
 from redteam_grpo.core.data import Prompt
 from redteam_grpo.core.stopping import REWARD_TARGET
-from redteam_grpo.storage import schemas
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.rundir import RunDir, RunDirError
 from redteam_grpo.storage.stages import SAMPLE
@@ -95,8 +94,8 @@ def record_in_manifest(run: RunDir, record: LineageInfo) -> None:
 def sampled_prompt_ids(run: RunDir) -> set[str]:
     """Every prompt id the run sampled, from the rollouts the manifest records."""
     ids: set[str] = set()
-    for path in run.recorded_files(SAMPLE):
-        ids.update(schemas.read_table(path, SAMPLE.schema).column("prompt_id").to_pylist())
+    for iteration in run.recorded_iterations(SAMPLE):
+        ids.update(run.read(SAMPLE, iteration).column("prompt_id").to_pylist())
     return ids
 
 

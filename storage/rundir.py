@@ -212,7 +212,13 @@ class RunDir:
     _lock = threading.Lock()
 
     def manifest(self) -> dict[str, Any]:
-        return json.loads(self.manifest_path.read_text())
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DamagedRunError(
+                f"{self.manifest_path} is damaged ({exc}): it records which stages completed. Restore it from a "
+                "backup; the stage files themselves are intact unless reported otherwise"
+            ) from None
 
     def _update_manifest(self, change) -> None:
         with self._lock:

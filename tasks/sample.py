@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.data import DataError, prompts_for_iteration
+from redteam_grpo.core.data import check_prompt_lengths, prompts_for_iteration
 from redteam_grpo.core.diagnostics import rollout_stats
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.core.seeds import derive_seed
@@ -28,14 +28,7 @@ def sample_stage(run_dir: str, iteration: int) -> str:
         )
         tokenizer = res.policy.tokenizer
         prompt_ids = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
-        too_long = [
-            p.prompt_id for p, ids in zip(prompts, prompt_ids, strict=True) if len(ids) > cfg.model.max_prompt_tokens
-        ]
-        if too_long:
-            raise DataError(
-                f"prompts {too_long[:5]} exceed model.max_prompt_tokens={cfg.model.max_prompt_tokens} after chat "
-                "formatting: raise the limit or filter the data"
-            )
+        check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
         seed = derive_seed(cfg.run.seed, "sample", iteration)
         completions = sample_completions(
             res.policy,

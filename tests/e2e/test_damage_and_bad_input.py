@@ -1,0 +1,146 @@
+"""What a person meets when a finished run is damaged or an input is wrong: one `error:` line that names the file or
+field and the way out (exit 2), never a traceback, never a silent exit 0, and no run directory left behind by an
+input that fails its checks. Each case works on its own copy of one real two-iteration run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from redteam_grpo.cli.main import app
+from redteam_grpo.core.config import load_config
+from redteam_grpo.flows import attack
+from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, SCORE
+from tests.small_runs import SMALL_RUN
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, prefect_harness, embedded_assets) -> Path:
+    root = tmp_path_factory.mktemp("finished")
+    cfg = load_config(None, ["run.iterations=2", *SMALL_RUN, f"run.runs_dir={root}", "run.run_id=done"])
+    return Path(attack.attack_run(config=cfg.model_dump(mode="json")))
+
+
+@pytest.fixture
+def copy(finished, tmp_path) -> RunDir:
+    target = tmp_path / "runs" / finished.name
+    shutil.copytree(finished, target)
+    return RunDir.open(target)
+
+
+def _cli(*args, monkeypatch=None) -> tuple[int, str]:
+    result = runner.invoke(app, list(map(str, args)), env={"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
+    return result.exit_code, result.output
+
+
+def _one_error_line(code: int, out: str, *named: str) -> str:
+    assert code == 2, out
+    assert "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out
+    for text in named:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+def test_flipped_bytes_in_the_last_adapter_stop_a_resume_before_any_training(copy):
+    adapter = copy.checkpoint_dir(1) / checkpoints.ADAPTER_FILE
+    damaged = bytearray(adapter.read_bytes())
+    damaged[-16] ^= 0xFF
+    adapter.write_bytes(bytes(damaged))
+    code, out = _cli("run", "--resume", copy.root, "--set", "run.iterations=3")
+    _one_error_line(code, out, str(adapter), "--redo 1/train_step")
+    assert copy.completed_iterations() == [0, 1]
+
+
+def test_a_truncated_adapter_stops_a_resume_naming_the_file(copy):
+    adapter = copy.checkpoint_dir(1) / checkpoints.ADAPTER_FILE
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    code, out = _cli("run", "--resume", copy.root, "--set", "run.iterations=3")
+    _one_error_line(code, out, str(adapter))
+
+
+def test_a_deleted_rollouts_file_is_named_by_every_reader_and_by_resume(copy):
+    rollouts = copy.path(SAMPLE, 0)
+    rollouts.unlink()
+    for args in (
+        ("inspect", copy.root, "--sql", "select count(*) from rollouts"),
+        ("report", copy.root),
+        ("export", copy.root),
+        ("evaluate", copy.root, "--prompts", "1", "--samples", "1"),
+        ("run", "--resume", copy.root, "--set", "run.iterations=3"),
+    ):
+        code, out = _cli(*args)
+        _one_error_line(code, out, str(rollouts), "is missing", "--redo 0/sample")
+
+
+def test_a_truncated_scores_file_is_named_by_readers_and_resume(copy):
+    scores = copy.path(SCORE, 1)
+    scores.write_bytes(scores.read_bytes()[:200])
+    for args in (("inspect", copy.root), ("report", copy.root), ("run", "--resume", copy.root)):
+        code, out = _cli(*args)
+        _one_error_line(code, out, str(scores), "--redo 1/score")
+
+
+def test_a_manifest_that_is_not_json_is_named(copy):
+    copy.manifest_path.write_text("{ not json")
+    for args in (("inspect", copy.root), ("run", "--resume", copy.root)):
+        code, out = _cli(*args)
+        _one_error_line(code, out, str(copy.manifest_path))
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        ("", "is empty: it holds no prompts"),
+        ("   \n\n", "is empty: it holds no prompts"),
+        ("text\nhello\n", "data.prompt_column 'prompt' is not a column"),
+        (None, "does not exist"),
+    ],
+)
+def test_bad_prompt_files_fail_before_a_run_directory_exists(tmp_path, content, named):
+    data = tmp_path / "prompts.csv"
+    if content is not None:
+        data.write_text(content)
+    runs = tmp_path / "runs"
+    code, out = _cli("run", "--set", f"data.source={data}", "--set", f"run.runs_dir={runs}")
+    _one_error_line(code, out, named)
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+def test_a_prompt_too_long_for_the_model_fails_at_start_not_iterations_later(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello there", "word " * 400, "how are you"]))
+    runs = tmp_path / "runs"
+    code, out = _cli("run", "--set", f"data.source={data}", "--set", f"run.runs_dir={runs}")
+    _one_error_line(code, out, "1 prompts", "model.max_prompt_tokens=256")
+    assert not runs.exists() or not any(runs.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("--set", "run.name=[unclosed"), "override 'run.name=[unclosed': the value is not valid YAML"),
+        (("--set", "run.seed=18446744073709551616"), "run.seed"),
+        (("--set", "training.kl_beta=0.2"), "training.kl_beta: moved to reward.kl_weight"),
+    ],
+)
+def test_bad_settings_are_one_line(tmp_path, args, named):
+    code, out = _cli("run", *args, "--set", f"run.runs_dir={tmp_path}")
+    _one_error_line(code, out, named)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    code, out = _cli("run", "--config", path, "--set", f"run.runs_dir={tmp_path / 'runs'}")
+    _one_error_line(code, out, str(path), "not UTF-8")
