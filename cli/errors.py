@@ -56,28 +56,6 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
         return str(exc), 1
     if isinstance(exc, _loaded(_PROJECT_ERRORS)):
         return str(exc), 2
-    if isinstance(exc, json.JSONDecodeError):
-        return f"a JSON file is not valid JSON ({exc}); restore it, or start a new run", 2
-    if isinstance(exc, UnicodeDecodeError):
-        return f"a file is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8", 2
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        where = f" writing {exc.filename}" if exc.filename else ""
-        return (
-            f"no space left on the device{where}. Nothing half-written was kept: free space, then continue with "
-            "`redteam-grpo run --resume RUN`",
-            2,
-        )
-    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
-        return f"{exc.strerror}: {exc.filename}", 2
-    try:
-        import pyarrow as pa
-
-        if isinstance(exc, pa.ArrowInvalid):
-            return f"a Parquet file cannot be read ({exc}); see `redteam-grpo run --resume RUN --redo ...`", 2
-    except ImportError:
-        pass
-    if type(exc).__name__ == "SafetensorError":
-        return f"a safetensors file is damaged or incomplete ({exc}); resume with --redo to rewrite it", 2
     try:
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -91,6 +69,28 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
             return f"no such model or dataset on the hub: {exc}", 2
     except ImportError:
         pass
+    if isinstance(exc, json.JSONDecodeError):
+        return f"a JSON file is not valid JSON ({exc}); restore it, or start a new run", 2
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8", 2
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {exc.filename}" if exc.filename else ""
+        return (
+            f"no space left on the device{where}. Nothing half-written was kept: free space, then continue with "
+            "`redteam-grpo run --resume RUN`",
+            2,
+        )
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
+        return (f"{exc.strerror}: {exc.filename}" if exc.strerror else str(exc)), 2
+    try:
+        import pyarrow as pa
+
+        if isinstance(exc, pa.ArrowInvalid):
+            return f"a Parquet file cannot be read ({exc}); see `redteam-grpo run --resume RUN --redo ...`", 2
+    except ImportError:
+        pass
+    if type(exc).__name__ == "SafetensorError":
+        return f"a safetensors file is damaged or incomplete ({exc}); resume with --redo to rewrite it", 2
     return None
 
 
