@@ -94,7 +94,7 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
     run, cfg = res.run, res.config
     folder = run.checkpoint_dir(iteration)
     if run.completed(CHECKPOINT, iteration):
-        stage_logger().debug("iteration %d: checkpoint already completed", iteration)
+        stage_logger().info("iteration %d: checkpoint already completed", iteration)
         return str(folder)
     metrics = run.read(TRAIN_STEP, iteration).to_pylist()[0]
     checkpoints.save_rng(folder / checkpoints.RNG_FILE)

@@ -33,7 +33,7 @@ def run_table_stage(
     """
     path = run.path(stage, iteration)
     if run.completed(stage, iteration):
-        stage_logger().debug("iteration %d: %s already completed, not recomputed", iteration, stage.name)
+        stage_logger().info("iteration %d: %s already completed, not recomputed", iteration, stage.name)
         return str(path)
     table, stats = compute()
     run.write(stage, iteration, table)
