@@ -19,16 +19,21 @@ How this departs from GRPO as published (Shao et al. 2024):
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 
 from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
 from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.stopping import early_stop
+from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import RunDir, new_run_id
 from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
@@ -56,24 +61,46 @@ def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, flo
     return metrics
 
 
-def prepare_run(config: Config | None, resume: str | Path | None) -> RunDir:
-    """A new run directory for `config`, or the one to resume (its config checked against `config`).
+@contextlib.contextmanager
+def owned_run(config: Config | None, resume: str | Path | None) -> Iterator[RunDir]:
+    """A new run directory for `config`, or the one to resume (its config checked against `config`), owned by
+    this process for the duration of the block (storage/ownership.py): a second process is refused at once.
 
-    A run of a lineage records where it starts from once, before its first stage (storage/lineage.py).
+    Everything that writes into the folder happens under the lock: its creation, the clean-up of temporary
+    files that interrupted writes left, a resumed config, the lineage record (storage/lineage.py).
     """
+    log = stage_logger()
     if resume is None:
-        run = RunDir.create(config or Config())
+        config = with_run_id(config or Config())
+        root = RunDir.root_for(config)
+        RunDir.check_creatable(root)  # refuse before leaving a lock file in someone else's folder
+        root.mkdir(parents=True, exist_ok=True)
     else:
-        run = RunDir.open(Path(resume))
-        run.check_resume_config(config, RESUMABLE_CHANGES)
-    lineage = run.stored_config().run.lineage
-    if lineage is not None:
-        record = read_lineage(run)
-        if record is None:
-            start_in_lineage(run, lineage)
-        elif run.manifest().get("lineage") is None:
-            record_in_manifest(run, record)
-    return run
+        root = RunDir.open(Path(resume)).root  # a run directory, before its lock is taken
+    with ownership.owning(root):
+        if resume is None:
+            run = RunDir.create(config)
+        else:
+            run = RunDir.open(root)
+            removed = run.remove_temporary_files()
+            if removed:
+                log.info("run %s: removed %d temporary files left by interrupted writes", run.run_id, removed)
+            run.check_resume_config(config, RESUMABLE_CHANGES)
+        lineage = run.stored_config().run.lineage
+        if lineage is not None:
+            record = read_lineage(run)
+            if record is None:
+                start_in_lineage(run, lineage)
+            elif run.manifest().get("lineage") is None:
+                record_in_manifest(run, record)
+        yield run
+
+
+def with_run_id(config: Config) -> Config:
+    """`config` with its run id chosen (from run.name and the time) if it names none, so the folder is known."""
+    if config.run.run_id is not None:
+        return config
+    return config.model_copy(update={"run": config.run.model_copy(update={"run_id": new_run_id(config.run.name)})})
 
 
 def requested_config(
@@ -113,14 +140,18 @@ def attack_run(
     working directory), with `overrides` such as "run.iterations=3"; defaults for the rest. `resume` is a run
     directory. `on_iteration(result)` is called after each iteration (the CLI's progress display).
     """
-    run = prepare_run(requested_config(config, config_path, overrides), resume)
+    with owned_run(requested_config(config, config_path, overrides), resume) as run:
+        return _run_iterations(run, resumed=resume is not None, on_iteration=on_iteration)
+
+
+def _run_iterations(run: RunDir, resumed: bool, on_iteration: Any) -> str:
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()
     start = done[-1] + 1 if done else 0
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     status = run.manifest().get("status")
-    if status == "early_stopped" and resume is not None:
+    if status == "early_stopped" and resumed:
         log.info("run %s stopped early before (%s): nothing to do", run.run_id, run.manifest().get("stop_reason"))
         return str(run.root)
     run.set_status("running")
@@ -136,6 +167,14 @@ def attack_run(
                 return str(run.root)
         run.set_status("completed")
         return str(run.root)
+    except (TerminationSignal, KeyboardInterrupt) as stop:
+        # SIGTERM (Prefect raises TerminationSignal; a worker sends it to cancel) or SIGINT: every completed
+        # stage is kept, and `run --resume` continues from the stage in flight.
+        signal_name = interrupts.signal_name(stop.signal if isinstance(stop, TerminationSignal) else signal.SIGINT)
+        with interrupts.recording():  # a second signal must not cut this write short
+            run.set_status("interrupted", interrupted_by=signal_name)
+        log.warning("run %s interrupted by %s; resume it with --resume %s", run.run_id, signal_name, run.root)
+        raise
     except BaseException:
         run.set_status("failed")
         raise
