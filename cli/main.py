@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -65,6 +66,7 @@ def run(
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
     cfg = _load(config, set_) if (config or set_ or not resume) else None
     offline_environment(cfg.run.offline if cfg else True)
+    from redteam_grpo.storage import ownership
     from redteam_grpo.storage.lineage import LineageError
     from redteam_grpo.storage.rundir import RunDir, RunDirError
 
@@ -72,16 +74,26 @@ def run(
     if resume is not None:
         try:  # fail before a Prefect API is started for nothing
             stored = RunDir.open(resume).stored_config()
+            ownership.refuse_if_owned(resume)  # attack_run takes the lock; this only answers sooner
         except RunDirError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
     quiet_libraries(verbose or (cfg or stored).logging.level == "DEBUG")
+    from prefect.exceptions import TerminationSignal
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from redteam_grpo.cli.signals import StopOnSignal
     from redteam_grpo.core.scorers import ScorerError
-    from redteam_grpo.flows.attack import attack_run
+    from redteam_grpo.flows.attack import attack_run, with_run_id
     from redteam_grpo.server.client import RewardServiceError
 
+    if cfg is not None and resume is None:
+        cfg = with_run_id(cfg)  # the folder is known before the run starts, to name it if the run is stopped
+    stop = StopOnSignal(
+        resume if resume is not None else RunDir.root_for(cfg),
+        lambda line: console.print(line, markup=False, highlight=False),
+    )
+    stop.install()
     total = cfg.run.iterations if cfg else None
     metrics_rows: list[dict] = []
     progress = Progress(
@@ -106,6 +118,10 @@ def run(
                 resume=str(resume) if resume else None,
                 on_iteration=on_iteration,
             )
+        except (TerminationSignal, KeyboardInterrupt) as exc:
+            progress.stop()
+            signum = exc.signal if isinstance(exc, TerminationSignal) else signal.SIGINT
+            raise typer.Exit(stop.report(signum)) from None
         except (RunDirError, LineageError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
