@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -79,12 +78,11 @@ def run(
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
     quiet_libraries(verbose or (cfg or stored).logging.level == "DEBUG")
-    from prefect.exceptions import TerminationSignal
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from redteam_grpo.cli.signals import StopOnSignal
     from redteam_grpo.core.scorers import ScorerError
-    from redteam_grpo.flows.attack import attack_run, with_run_id
+    from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of, with_run_id
     from redteam_grpo.server.client import RewardServiceError
 
     if cfg is not None and resume is None:
@@ -118,10 +116,9 @@ def run(
                 resume=str(resume) if resume else None,
                 on_iteration=on_iteration,
             )
-        except (TerminationSignal, KeyboardInterrupt) as exc:
+        except STOP_EXCEPTIONS as exc:
             progress.stop()
-            signum = exc.signal if isinstance(exc, TerminationSignal) else signal.SIGINT
-            raise typer.Exit(stop.report(signum)) from None
+            raise typer.Exit(stop.report(signal_of(exc))) from None
         except (RunDirError, LineageError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None

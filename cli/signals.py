@@ -65,11 +65,9 @@ class StopOnSignal:
             # and bounded in time; raising again would only cut the manifest update short.
             return
         self._raised = True
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        from prefect.exceptions import TerminationSignal
+        from redteam_grpo.flows.attack import stop_exception
 
-        raise TerminationSignal(signal=signum)
+        raise stop_exception(signum)
 
     def report(self, signum: int) -> int:
         """Print the one line and return the exit status, once the stop has unwound to the command."""

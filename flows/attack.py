@@ -116,6 +116,19 @@ def requested_config(
     return None
 
 
+# What a stop signal raises in a flow: Prefect's SIGTERM handler TerminationSignal, Python's SIGINT handler
+# KeyboardInterrupt. The CLI raises the same from its own handlers (cli/signals.py).
+STOP_EXCEPTIONS = (TerminationSignal, KeyboardInterrupt)
+
+
+def stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else TerminationSignal(signal=signum)
+
+
+def signal_of(stop: BaseException) -> int:
+    return stop.signal if isinstance(stop, TerminationSignal) else signal.SIGINT
+
+
 def _stopped(run: RunDir, iteration: int, cfg: Config, metrics: dict[str, float] | None = None) -> bool:
     """Decide early stopping from the iteration's metrics row; record the stop's kind and reason if so."""
     stop = early_stop(metrics or run.read(TRAIN_STEP, iteration).to_pylist()[0], cfg.run)
@@ -167,10 +180,10 @@ def _run_iterations(run: RunDir, resumed: bool, on_iteration: Any) -> str:
                 return str(run.root)
         run.set_status("completed")
         return str(run.root)
-    except (TerminationSignal, KeyboardInterrupt) as stop:
-        # SIGTERM (Prefect raises TerminationSignal; a worker sends it to cancel) or SIGINT: every completed
-        # stage is kept, and `run --resume` continues from the stage in flight.
-        signal_name = interrupts.signal_name(stop.signal if isinstance(stop, TerminationSignal) else signal.SIGINT)
+    except STOP_EXCEPTIONS as stop:
+        # SIGTERM (a Prefect worker sends it to cancel) or SIGINT: every completed stage is kept, and
+        # `run --resume` continues from the stage in flight.
+        signal_name = interrupts.signal_name(signal_of(stop))
         with interrupts.recording():  # a second signal must not cut this write short
             run.set_status("interrupted", interrupted_by=signal_name)
         log.warning("run %s interrupted by %s; resume it with --resume %s", run.run_id, signal_name, run.root)

@@ -39,6 +39,6 @@ def recording() -> Iterator[None]:
         yield
     finally:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: installed outside Python
         for signum in dict.fromkeys(held):
             signal.raise_signal(signum)

@@ -125,9 +125,8 @@ def test_a_folder_with_other_files_is_not_taken_for_an_unfinished_run(tmp_path):
 
 
 def test_a_signal_during_recording_is_delivered_after_it(run):
-    with pytest.raises(KeyboardInterrupt):
-        with interrupts.recording():
-            signal.raise_signal(signal.SIGINT)
-            run.set_status("recorded before the interrupt")
+    with pytest.raises(KeyboardInterrupt), interrupts.recording():
+        signal.raise_signal(signal.SIGINT)
+        run.set_status("recorded before the interrupt")
     assert run.manifest()["status"] == "recorded before the interrupt"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
