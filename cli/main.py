@@ -69,6 +69,7 @@ def run(
     verbose: VerboseOption = False,
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
+    from redteam_grpo.storage import ownership
     from redteam_grpo.storage.lineage import LineageError
     from redteam_grpo.storage.rundir import RunDir, RunDirError
 
@@ -76,6 +77,7 @@ def run(
     if resume is not None:
         try:  # fail before a Prefect API is started for nothing
             stored = RunDir.open(resume).stored_config()
+            ownership.refuse_if_owned(resume)  # attack_run takes the lock; this only answers sooner
         except RunDirError as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
@@ -88,10 +90,18 @@ def run(
         keep_tracebacks_off_console()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from redteam_grpo.cli.signals import StopOnSignal
     from redteam_grpo.core.scorers import ScorerError
-    from redteam_grpo.flows.attack import attack_run
+    from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of, with_run_id
     from redteam_grpo.server.client import RewardServiceError
 
+    if cfg is not None and resume is None:
+        cfg = with_run_id(cfg)  # the folder is known before the run starts, to name it if the run is stopped
+    stop = StopOnSignal(
+        resume if resume is not None else RunDir.root_for(cfg),
+        lambda line: console.print(line, markup=False, highlight=False),
+    )
+    stop.install()
     total = cfg.run.iterations if cfg else None
     metrics_rows: list[dict] = []
     progress = Progress(
@@ -117,6 +127,9 @@ def run(
                 on_iteration=on_iteration,
                 redo=redo,
             )
+        except STOP_EXCEPTIONS as exc:
+            progress.stop()
+            raise typer.Exit(stop.report(signal_of(exc))) from None
         except (RunDirError, LineageError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None

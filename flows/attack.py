@@ -19,10 +19,14 @@ How this departs from GRPO as published (Shao et al. 2024):
 
 from __future__ import annotations
 
+import contextlib
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 
 from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
@@ -30,8 +34,9 @@ from redteam_grpo.core.data import check_prompt_lengths, load_prompts
 from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
+from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
-from redteam_grpo.storage.rundir import RunDir, RunDirError, parse_redo
+from redteam_grpo.storage.rundir import RunDir, RunDirError, new_run_id, parse_redo
 from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
@@ -68,34 +73,56 @@ def check_inputs(cfg: Config) -> None:
     check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
 
 
-def prepare_run(config: Config | None, resume: str | Path | None, redo: str | None = None) -> RunDir:
-    """A new run directory for `config`, or the one to resume (its config checked against `config`).
+@contextlib.contextmanager
+def owned_run(config: Config | None, resume: str | Path | None, redo: str | None = None) -> Iterator[RunDir]:
+    """A new run directory for `config`, or the one to resume (its config checked against `config`), owned by
+    this process for the duration of the block (storage/ownership.py): a second process is refused at once.
 
-    A resumed run first checks every file it recorded, so it never builds on a damaged one; `redo` (`7` or
-    `7/score`) drops that stage, the rest of its iteration and every later iteration, to be computed again.
-    A run of a lineage records where it starts from once, before its first stage (storage/lineage.py).
+    Everything that writes into the folder happens under the lock: its creation, the clean-up of temporary
+    files that interrupted writes left, a resumed config, the lineage record (storage/lineage.py). A new run's
+    data is checked before its folder exists; a resumed run first checks every file it recorded, so it never
+    builds on a damaged one; `redo` (`7` or `7/score`) drops that stage, the rest of its iteration and every
+    later iteration, to be computed again.
     """
+    log = stage_logger()
     if resume is None:
         if redo is not None:
             raise RunDirError("--redo needs --resume RUN: it recomputes part of an existing run")
-        config = config or Config()
+        config = with_run_id(config or Config())
         check_inputs(config)  # before the run directory exists: a bad input leaves nothing behind
-        run = RunDir.create(config)
+        root = RunDir.root_for(config)
+        RunDir.check_creatable(root)  # refuse before leaving a lock file in someone else's folder
+        root.mkdir(parents=True, exist_ok=True)
     else:
-        run = RunDir.open(Path(resume))
-        run.check_resume_config(config, RESUMABLE_CHANGES)
-        if redo is not None:
-            dropped = run.forget_from(*parse_redo(redo))
-            stage_logger().warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
-        run.verify_all()
-    lineage = run.stored_config().run.lineage
-    if lineage is not None:
-        record = read_lineage(run)
-        if record is None:
-            start_in_lineage(run, lineage)
-        elif run.manifest().get("lineage") is None:
-            record_in_manifest(run, record)
-    return run
+        root = RunDir.open(Path(resume)).root  # a run directory, before its lock is taken
+    with ownership.owning(root):
+        if resume is None:
+            run = RunDir.create(config)
+        else:
+            run = RunDir.open(root)
+            removed = run.remove_temporary_files()
+            if removed:
+                log.info("run %s: removed %d temporary files left by interrupted writes", run.run_id, removed)
+            run.check_resume_config(config, RESUMABLE_CHANGES)
+            if redo is not None:
+                dropped = run.forget_from(*parse_redo(redo))
+                log.warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
+            run.verify_all()
+        lineage = run.stored_config().run.lineage
+        if lineage is not None:
+            record = read_lineage(run)
+            if record is None:
+                start_in_lineage(run, lineage)
+            elif run.manifest().get("lineage") is None:
+                record_in_manifest(run, record)
+        yield run
+
+
+def with_run_id(config: Config) -> Config:
+    """`config` with its run id chosen (from run.name and the time) if it names none, so the folder is known."""
+    if config.run.run_id is not None:
+        return config
+    return config.model_copy(update={"run": config.run.model_copy(update={"run_id": new_run_id(config.run.name)})})
 
 
 def requested_config(
@@ -114,6 +141,19 @@ def requested_config(
         base = RunDir.open(Path(resume)).stored_config().model_dump(mode="json") if resume is not None else None
         return load_config(Path(config_path) if config_path else None, list(overrides or []), base)
     return None
+
+
+# What a stop signal raises in a flow: Prefect's SIGTERM handler TerminationSignal, Python's SIGINT handler
+# KeyboardInterrupt. The CLI raises the same from its own handlers (cli/signals.py).
+STOP_EXCEPTIONS = (TerminationSignal, KeyboardInterrupt)
+
+
+def stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else TerminationSignal(signal=signum)
+
+
+def signal_of(stop: BaseException) -> int:
+    return stop.signal if isinstance(stop, TerminationSignal) else signal.SIGINT
 
 
 def _stopped(run: RunDir, iteration: int, cfg: Config, metrics: dict[str, float] | None = None) -> bool:
@@ -139,16 +179,21 @@ def attack_run(
 
     The config is `config`, a nested dict of Config fields, or `config_path`, a YAML file (relative to the
     working directory), with `overrides` such as "run.iterations=3"; defaults for the rest. `resume` is a run
-    directory. `on_iteration(result)` is called after each iteration (the CLI's progress display).
+    directory. `on_iteration(metrics)` is called with each iteration's metrics row (the CLI's progress display).
+    `redo` (with `resume`): `7` or `7/score` recomputes that part of the run and everything after it.
     """
-    run = prepare_run(requested_config(config, config_path, overrides, resume), resume, redo)
+    with owned_run(requested_config(config, config_path, overrides, resume), resume, redo) as run:
+        return _run_iterations(run, resumed=resume is not None, on_iteration=on_iteration)
+
+
+def _run_iterations(run: RunDir, resumed: bool, on_iteration: Any) -> str:
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()
     start = done[-1] + 1 if done else 0
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     status = run.manifest().get("status")
-    if status == "early_stopped" and resume is not None:
+    if status == "early_stopped" and resumed:
         log.info("run %s stopped early before (%s): nothing to do", run.run_id, run.manifest().get("stop_reason"))
         return str(run.root)
     run.set_status("running")
@@ -164,6 +209,14 @@ def attack_run(
                 return str(run.root)
         run.set_status("completed")
         return str(run.root)
+    except STOP_EXCEPTIONS as stop:
+        # SIGTERM (a Prefect worker sends it to cancel) or SIGINT: every completed stage is kept, and
+        # `run --resume` continues from the stage in flight.
+        signal_name = interrupts.signal_name(signal_of(stop))
+        with interrupts.recording():  # a second signal must not cut this write short
+            run.set_status("interrupted", interrupted_by=signal_name)
+        log.warning("run %s interrupted by %s; resume it with --resume %s", run.run_id, signal_name, run.root)
+        raise
     except BaseException:
         run.set_status("failed")
         raise

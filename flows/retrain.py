@@ -34,6 +34,7 @@ def retrain(lineage: str, config_path: str | None = None, overrides: list[str] |
         raw["run"]["run_id"] = run_id_for(raw["run"]["name"], flow_run.id, flow_run.scheduled_start_time)
     config = validate_config(raw)
     folder = config.run.runs_dir / config.run.run_id if config.run.run_id else None
-    if folder is not None and (folder / "config.json").is_file():
+    # A folder is a run once its manifest exists; one without (a creation cut short) is created again.
+    if folder is not None and (folder / "manifest.json").is_file():
         return attack_run(config=raw, resume=str(folder))
     return attack_run(config=raw)

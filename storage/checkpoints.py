@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from redteam_grpo.storage.atomic import sha256_file, write_atomic, write_json_atomic
+from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -98,7 +98,9 @@ def load_rng(path: Path) -> None:
 
 
 def write_manifest(folder: Path, info: dict[str, Any]) -> None:
-    files = {p.name: sha256_file(p) for p in sorted(folder.glob("*.safetensors"))}
+    # A temporary file is an unfinished write (pathlib's `*` matches its leading dot): never part of a checkpoint.
+    weights = sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith(TMP_PREFIX))
+    files = {p.name: sha256_file(p) for p in weights}
     write_json_atomic(folder / MANIFEST_FILE, {"format_version": FORMAT_VERSION, "files": files, **info})
 
 

@@ -9,6 +9,11 @@
 
 A stage counts as completed only when its files exist with the checksums the manifest recorded after they
 were renamed into place; anything else (a missing entry, a `.tmp-` file, a changed file) is recomputed.
+
+A folder is a run once its manifest exists: `create` writes it last. A folder with no manifest that holds only
+what an interrupted `create` leaves (config.json, owner.lock, temporary files) is not a run yet; `create` takes
+it over and `open` says how to start it again. The process that runs stages owns the folder (owner.lock,
+storage/ownership.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import pyarrow.parquet as pq
 
 from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
 from redteam_grpo.storage import checkpoints, schemas
-from redteam_grpo.storage.atomic import sha256_file, write_atomic, write_json_atomic
+from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.stages import ATTACK_ITERATION, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
@@ -40,6 +45,9 @@ FORMAT_CHANGES = {
     ),
 }
 INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
+OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
+# What a `create` interrupted before its manifest write can leave in the folder.
+_CREATION_LEFTOVERS = ("config.json", OWNER_FILE)
 
 
 def checkpoint_name(version: int) -> str:
@@ -66,6 +74,10 @@ def _manifest_key(stage: Stage, iteration: int) -> str:
 def _parse_manifest_key(key: str) -> tuple[int, str]:
     iteration, _, stage = key.partition("/")
     return int(iteration), stage
+
+
+def _is_temporary(path: Path) -> bool:
+    return path.name.startswith(TMP_PREFIX)
 
 
 class RunDirError(RuntimeError):
@@ -145,26 +157,66 @@ class RunDir:
     # -- creation and resume -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, config: Config) -> RunDir:
-        run_id = config.run.run_id or new_run_id(config.run.name)
-        root = config.run.runs_dir / run_id
-        if root.exists() and any(root.iterdir()):
+    def root_for(cls, config: Config) -> Path:
+        if config.run.run_id is None:
+            raise ValueError("the run id is chosen before the folder (new_run_id)")
+        return config.run.runs_dir / config.run.run_id
+
+    @classmethod
+    def check_creatable(cls, root: Path) -> None:
+        """Refuse a folder that holds a run, or anything but the leftovers of an interrupted creation."""
+        if not root.exists():
+            return
+        if (root / "manifest.json").exists():
             raise RunDirError(f"{root} already exists: resume it with --resume {root}, or choose another run.run_id")
+        others = [p.name for p in root.iterdir() if p.name not in _CREATION_LEFTOVERS and not _is_temporary(p)]
+        if others:
+            raise RunDirError(f"{root} exists and is not a run directory ({', '.join(sorted(others)[:3])}...)")
+
+    @classmethod
+    def create(cls, config: Config) -> RunDir:
+        """A new run in `runs_dir/run_id`: the config, then the manifest, written last, that makes it a run.
+
+        A folder left by a creation interrupted before its manifest write is taken over (its config replaced).
+        """
+        if config.run.run_id is None:
+            config = config.model_copy(
+                update={"run": config.run.model_copy(update={"run_id": new_run_id(config.run.name)})}
+            )
+        root = cls.root_for(config)
+        cls.check_creatable(root)
         root.mkdir(parents=True, exist_ok=True)
         run = cls(root)
+        run.remove_temporary_files()
         write_json_atomic(run.config_path, config.model_dump(mode="json"))
         write_json_atomic(
-            run.manifest_path, {"run_id": run_id, "format_version": RUN_FORMAT, "status": "running", "stages": {}}
+            run.manifest_path,
+            {"run_id": run.run_id, "format_version": RUN_FORMAT, "status": "running", "stages": {}},
         )
         return run
 
     @classmethod
     def open(cls, root: Path) -> RunDir:
+        if (root / "config.json").is_file() and not (root / "manifest.json").exists():
+            raise RunDirError(
+                f"{root} was never started: its creation was interrupted before manifest.json was written. "
+                f"Start it again with: redteam-grpo run --config {root / 'config.json'}"
+            )
         if not (root / "config.json").is_file() or not (root / "manifest.json").is_file():
             raise RunDirError(f"{root} is not a run directory (no config.json / manifest.json)")
         run = cls(root)
         run.check_format()
         return run
+
+    def remove_temporary_files(self) -> int:
+        """Delete what interrupted atomic writes left (TMP_PREFIX names only); the number removed.
+
+        Only for the owner of the run (storage/ownership.py): another process's temporary file may be live.
+        """
+        leftovers = [p for p in self.root.rglob(f"{TMP_PREFIX}*") if p.is_file()]
+        for path in leftovers:
+            path.unlink(missing_ok=True)
+        return len(leftovers)
 
     def check_format(self) -> None:
         """Refuse a run written by another layout, naming what changed."""

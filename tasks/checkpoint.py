@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.rundir import INIT_VERSION
 from redteam_grpo.storage.stages import CHECKPOINT, TRAIN_STEP
@@ -99,8 +99,9 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
     metrics = run.read(TRAIN_STEP, iteration).to_pylist()[0]
     checkpoints.save_rng(folder / checkpoints.RNG_FILE)
     summary = {k: metrics[k] for k in ("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean")}
-    checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
-    run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
+    with interrupts.recording():  # sealed exactly when recorded
+        checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
+        run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
     if cfg.run.keep_checkpoints:
         for old in run.completed_iterations()[: -cfg.run.keep_checkpoints]:
             shutil.rmtree(run.checkpoint_dir(old), ignore_errors=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from redteam_grpo.storage import interrupts
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import Stage
 from redteam_grpo.tasks.logs import stage_logger
@@ -36,6 +37,7 @@ def run_table_stage(
         stage_logger().info("iteration %d: %s already completed, not recomputed", iteration, stage.name)
         return str(path)
     table, stats = compute()
-    run.write(stage, iteration, table)
-    run.record_done(stage, iteration, [path, *also_written], rows=table.num_rows, stats=_as_dict(stats))
+    with interrupts.recording():  # a stop lands before the file is in place or after it is recorded
+        run.write(stage, iteration, table)
+        run.record_done(stage, iteration, [path, *also_written], rows=table.num_rows, stats=_as_dict(stats))
     return str(path)

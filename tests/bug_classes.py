@@ -254,6 +254,13 @@ BUG_CLASSES = [
         "return token_logprobs(torch.log_softmax(logits_B_C_V, -1), ids_B_C), mask_B_C",
         "tests/core/test_kl.py::test_kl_estimate_is_unbiased_for_the_kl_between_the_distributions_sampled_at_any_temperature",
     ),
+    (
+        "concurrent-owners",
+        "storage/ownership.py",
+        "        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        "        pass  # no lock: every process that runs stages owns the run\n",
+        "tests/storage/test_ownership.py::test_a_second_owner_is_refused_at_once_naming_the_first_and_the_way_out tests/storage/test_ownership.py::test_a_lock_dies_with_its_process_and_the_next_owner_says_it_took_over",
+    ),
 ]
 
 

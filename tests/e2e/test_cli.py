@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from redteam_grpo.storage.atomic import sha256_file
+from redteam_grpo.core.config import load_config
+from redteam_grpo.storage import checkpoints, ownership
+from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file
 from redteam_grpo.storage.rundir import RunDir
 from tests.small_runs import SMALL_RUN
 
@@ -56,21 +59,50 @@ def test_mistyped_key_fails_before_any_work(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.usefixtures("embedded_assets")
-def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anything(tmp_path):
-    args = ["run", *SMALL, "--set", "run.iterations=3", "--set", f"run.runs_dir={tmp_path}", "--set", "run.run_id=k9"]
-    log_path = tmp_path / "run.log"
+_RESUME = "continue it with: redteam-grpo run --resume"
+
+
+def _run_args(runs_dir: Path, run_id: str, iterations: int) -> list[str]:
+    settings = [f"run.iterations={iterations}", f"run.runs_dir={runs_dir}", f"run.run_id={run_id}"]
+    return ["run", *SMALL, *(arg for setting in settings for arg in ("--set", setting))]
+
+
+def _start_run(runs_dir: Path, run_id: str, iterations: int) -> tuple[subprocess.Popen, Path]:
+    """A run in its own process group (as a terminal job), its output in a log file."""
+    log_path = runs_dir / f"{run_id}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*CLI, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    manifest = tmp_path / "k9" / "manifest.json"
+        proc = subprocess.Popen(
+            [*CLI, *_run_args(runs_dir, run_id, iterations)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+    return proc, log_path
+
+
+def _wait_until_recorded(proc: subprocess.Popen, root: Path, key: str, log_path: Path) -> None:
+    """Until the manifest records `key` ("1/sample"); the run must still be running."""
+    manifest = root / "manifest.json"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if manifest.is_file() and "1/sample" in json.loads(manifest.read_text())["stages"]:
-            break
-        assert proc.poll() is None, "the run ended before it could be killed:\n" + log_path.read_text()[-3000:]
+        if manifest.is_file() and key in json.loads(manifest.read_text())["stages"]:
+            return
+        assert proc.poll() is None, f"the run ended before {key}:\n" + log_path.read_text()[-3000:]
         time.sleep(0.05)
-    else:
-        pytest.fail("iteration 1 never sampled")
+    pytest.fail(f"{key} was never recorded")
+
+
+def _adapter(root: Path, iteration: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(RunDir.open(root).checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE))
+
+
+@pytest.mark.usefixtures("embedded_assets")
+def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anything(tmp_path):
+    proc, log_path = _start_run(tmp_path, "k9", iterations=3)
+    _wait_until_recorded(proc, tmp_path / "k9", "1/sample", log_path)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
@@ -93,6 +125,71 @@ def test_kill_9_mid_run_then_resume_completes_without_recomputing_or_losing_anyt
     assert out.stdout.strip()
     out = _cli("infer", "--run", str(run.root), "--prompt", "hi", "--checkpoint", "7")
     assert out.returncode == 2 and "completed checkpoints: [0, 1, 2]" in out.stderr
+
+
+@pytest.mark.usefixtures("embedded_assets")
+def test_sigterm_mid_iteration_stops_within_seconds_and_resume_matches_an_uninterrupted_run(tmp_path):
+    proc, log_path = _start_run(tmp_path, "term", iterations=2)
+    root = tmp_path / "term"
+    _wait_until_recorded(proc, root, "1/sample", log_path)
+    os.kill(proc.pid, signal.SIGTERM)  # the process only, as `kill PID` or a Prefect worker's cancellation
+    sent = time.monotonic()
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("still running 10 s after SIGTERM:\n" + log_path.read_text()[-3000:])
+    output = log_path.read_text()
+    assert code == 143, output[-3000:]
+    assert f"run term interrupted by SIGTERM: its completed stages are kept; {_RESUME} {root}" in output
+    print(f"stopped {time.monotonic() - sent:.1f} s after SIGTERM")
+    run = RunDir.open(root)
+    assert run.manifest()["status"] == "interrupted" and run.manifest()["interrupted_by"] == "SIGTERM"
+    assert "1/checkpoint" not in run.manifest()["stages"]
+    ownership.refuse_if_owned(root)  # the lock went with the process
+
+    # What writes killed mid-way leave, at any depth of the run directory.
+    leftovers = [root / "iter_0001" / f"{TMP_PREFIX}999-scores.parquet", run.checkpoint_dir(0) / f"{TMP_PREFIX}999-x"]
+    for path in leftovers:
+        path.write_bytes(b"\0" * 1000)
+    out = _cli("run", "--resume", str(root), "--verbose")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "removed 2 temporary files left by interrupted writes" in out.stderr + out.stdout
+    assert not any(path.exists() for path in leftovers)
+    assert run.manifest()["status"] == "completed" and run.completed_iterations() == [0, 1]
+
+    straight = _cli(*_run_args(tmp_path, "straight", iterations=2))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a, b = _adapter(tmp_path / "straight", 1), _adapter(root, 1)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted run"
+
+
+@pytest.mark.usefixtures("embedded_assets")
+def test_ctrl_c_to_the_whole_process_group_stops_within_seconds_though_the_prefect_api_stops_too(tmp_path):
+    proc, log_path = _start_run(tmp_path, "ctrl-c", iterations=2)
+    root = tmp_path / "ctrl-c"
+    _wait_until_recorded(proc, root, "0/score", log_path)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the ephemeral API server gets it too
+    try:
+        code = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("still running 10 s after SIGINT:\n" + log_path.read_text()[-3000:])
+    assert code == 130, log_path.read_text()[-3000:]
+    assert f"run ctrl-c interrupted by SIGINT: its completed stages are kept; {_RESUME} {root}" in log_path.read_text()
+    assert RunDir.open(root).manifest()["status"] == "interrupted"
+
+
+def test_a_resume_of_a_run_another_process_owns_is_refused_at_once_naming_it(tmp_path):
+    run = RunDir.create(load_config(None, [f"run.runs_dir={tmp_path}", "run.run_id=owned"]))
+    with ownership.owning(run.root):  # this test process stands in for the first `run --resume`
+        out = _cli("run", "--resume", str(run.root), timeout=60)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"run owned is owned by pid {os.getpid()} on " in out.stderr
+    assert f"continue with: redteam-grpo run --resume {run.root}" in out.stderr
+    assert "Starting temporary server" not in out.stderr
 
 
 @pytest.mark.usefixtures("embedded_assets")

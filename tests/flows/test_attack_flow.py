@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pandas as pd
 import pytest
 import torch
@@ -9,7 +11,7 @@ from safetensors.torch import load_file
 
 from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
-from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage import checkpoints, ownership
 from redteam_grpo.storage.atomic import sha256_file
 from redteam_grpo.storage.rundir import RunDir, RunDirError
 from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ITERATION, SAMPLE, SCORE, TRAIN_STEP
@@ -80,7 +82,7 @@ def test_resume_after_an_interruption_recomputes_nothing_and_matches_an_uninterr
     with pytest.raises(BaseException, match="simulated crash"):
         attack.attack_run(config=cfg.model_dump(mode="json"))
     run = RunDir.open(tmp_path / "interrupted")
-    assert run.manifest()["status"] == "failed"
+    assert run.manifest()["status"] == "interrupted" and run.manifest()["interrupted_by"] == "SIGINT"
     assert run.completed(SCORE, 1) and not run.completed(ADVANTAGE, 1)
     before = {p: sha256_file(p) for p in run.root.rglob("*.parquet")}
 
@@ -156,3 +158,13 @@ def test_a_damaged_checkpoint_is_never_trained_on_and_redo_recomputes_it_bit_for
     attack.attack_run(resume=str(run.root), overrides=longer, redo="1/train_step")
     assert adapter.read_bytes() == intact  # the update of iteration 1 recomputed from checkpoint 0, bit for bit
     assert run.completed_iterations() == [0, 1, 2] and run.manifest()["status"] == "completed"
+
+
+def test_a_run_owned_by_another_process_is_refused_before_it_writes_anything(tmp_path):
+    run = RunDir.create(_config(tmp_path, "owned", "run.iterations=1"))
+    before = run.manifest()
+    refused = pytest.raises(ownership.RunOwnedElsewhere, match=f"owned by pid {os.getpid()} on ")
+    with ownership.owning(run.root), refused:  # this test process stands in for another `run --resume`
+        attack.attack_run(resume=str(run.root))
+    assert run.manifest() == before
+    assert not run.checkpoint_dir(-1).exists()

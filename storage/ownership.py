@@ -1,0 +1,149 @@
+"""One owner per run directory: the process that runs its stages holds an exclusive lock on `RUN/owner.lock`.
+
+Two processes running stages of one run interleave their writes: both train from the same checkpoint and
+rename their files over each other's, so a checkpoint can end up with one process's optimizer and the other's
+manifest. The lock is `flock` on an open file: the OS releases it when the owner exits, however it exits, so
+there is nothing stale to break. The file names the owner (pid, host, start time) for the refusal message;
+the owner empties it when it lets go, so a file that still names someone was left by a process that died
+while it owned the run.
+
+Readers (inspect, report, export, infer) do not take the lock: every file they read was renamed into place
+whole. The descriptor is not inherited by child processes (Python opens files non-inheritable), so a
+subprocess started during a run, such as Prefect's ephemeral API server, never holds the lock for its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from redteam_grpo.storage.rundir import OWNER_FILE, RunDirError
+
+_log = logging.getLogger(__name__)
+# The runs this process owns now, so that a stop that cannot wait for the normal unwinding (cli/signals.py) can
+# still mark them.
+_OWNED: dict[Path, RunOwner] = {}
+
+
+class RunOwnedElsewhere(RunDirError):
+    """Another process runs the stages of this run directory; the message names it and the way out."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    pid: int
+    host: str
+    started_at: str
+
+    @classmethod
+    def this_process(cls) -> Owner:
+        return cls(os.getpid(), socket.gethostname(), dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+
+    @classmethod
+    def parse(cls, text: str) -> Owner | None:
+        try:
+            data = json.loads(text)
+            return cls(int(data["pid"]), str(data["host"]), str(data["started_at"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, started {self.started_at}"
+
+    def is_dead_here(self) -> bool:
+        """True if this owner ran on this host and no process has its pid any more."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a process of another user has that pid now
+            return False
+        return False
+
+
+@dataclass
+class RunOwner:
+    root: Path
+    owner: Owner
+    _fd: int
+
+    def release(self) -> None:
+        """Empty the file (an empty file means: let go cleanly), then unlock."""
+        _OWNED.pop(self.root, None)
+        try:
+            os.ftruncate(self._fd, 0)
+        finally:
+            os.close(self._fd)  # closing the last descriptor releases the flock
+
+
+def _read_owner(fd: int) -> Owner | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return Owner.parse(os.read(fd, 4096).decode(errors="replace"))
+
+
+def _lock_or_refuse(fd: int, root: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _read_owner(fd)
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        who = holder.describe() if holder else "another process (it has not written its name yet)"
+        raise RunOwnedElsewhere(
+            f"run {root.name} is owned by {who}: only one process may run its stages. Wait for it to end, or "
+            f"stop it (kill -TERM {holder.pid if holder else '<pid>'}: it marks the run interrupted), then "
+            f"continue with: redteam-grpo run --resume {root}"
+        ) from None
+
+
+def refuse_if_owned(root: Path) -> None:
+    """Raise RunOwnedElsewhere if a process owns `root` now; takes nothing (a check before slow start-up)."""
+    try:
+        fd = os.open(root / OWNER_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    _lock_or_refuse(fd, root)
+    os.close(fd)
+
+
+def acquire(root: Path) -> RunOwner:
+    """Own `root` (which must exist) or raise RunOwnedElsewhere at once, naming the owner and the way out."""
+    fd = os.open(root / OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    _lock_or_refuse(fd, root)
+    previous = _read_owner(fd)
+    if previous is not None:
+        state = "is no longer running" if previous.is_dead_here() else "ended without letting go"
+        _log.warning("taking over run %s from %s, which %s", root.name, previous.describe(), state)
+    owner = Owner.this_process()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(owner.__dict__) + "\n").encode(), 0)
+    held = RunOwner(root, owner, fd)
+    _OWNED[root] = held
+    return held
+
+
+@contextlib.contextmanager
+def owning(root: Path) -> Iterator[RunOwner]:
+    """Hold the run directory `root` for the duration of the block."""
+    held = acquire(root)
+    try:
+        yield held
+    finally:
+        held.release()
+
+
+def owned_roots() -> list[Path]:
+    """The run directories this process owns now."""
+    return list(_OWNED)

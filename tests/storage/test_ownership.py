@@ -1,0 +1,132 @@
+"""One owner per run directory, temporary files left by interrupted writes, and a creation cut short."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from redteam_grpo.core.config import load_config
+from redteam_grpo.storage import atomic, checkpoints, interrupts, ownership
+from redteam_grpo.storage.rundir import OWNER_FILE, RunDir, RunDirError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _config(tmp_path, run_id="r"):
+    return load_config(None, [f"run.runs_dir={tmp_path}", f"run.run_id={run_id}"])
+
+
+@pytest.fixture
+def run(tmp_path):
+    return RunDir.create(_config(tmp_path))
+
+
+def test_a_second_owner_is_refused_at_once_naming_the_first_and_the_way_out(run):
+    with ownership.owning(run.root):
+        started = time.monotonic()
+        for attempt in (ownership.acquire, ownership.refuse_if_owned):
+            with pytest.raises(ownership.RunOwnedElsewhere) as refused:
+                attempt(run.root)
+            message = str(refused.value)
+            assert f"pid {os.getpid()} on {socket.gethostname()}, started " in message
+            assert f"kill -TERM {os.getpid()}" in message and f"redteam-grpo run --resume {run.root}" in message
+        assert time.monotonic() - started < 1
+        assert isinstance(refused.value, RunDirError)  # the CLI's one-line error, exit status 2
+    ownership.refuse_if_owned(run.root)
+    with ownership.owning(run.root):  # released: the next owner gets it
+        pass
+    assert (run.root / OWNER_FILE).read_text() == ""  # let go cleanly: names nobody
+
+
+def test_a_lock_dies_with_its_process_and_the_next_owner_says_it_took_over(run, caplog):
+    code = (
+        "import sys, time; from pathlib import Path; from redteam_grpo.storage import ownership; "
+        "ownership.acquire(Path(sys.argv[1])); print('owned', flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(run.root)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert child.stdout.readline().strip() == "owned"
+        with pytest.raises(ownership.RunOwnedElsewhere, match=f"owned by pid {child.pid} on "):
+            ownership.acquire(run.root)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    with caplog.at_level(logging.WARNING, logger=ownership.__name__), ownership.owning(run.root) as held:
+        assert held.owner.pid == os.getpid()
+        assert json.loads((run.root / OWNER_FILE).read_text())["pid"] == os.getpid()
+    assert f"taking over run r from pid {child.pid} on {socket.gethostname()}" in caplog.text
+    assert "is no longer running" in caplog.text
+
+
+def test_only_temporary_files_are_removed_and_counted(run):
+    leftovers = [
+        run.iteration_dir(0) / f"{atomic.TMP_PREFIX}123-rollouts.parquet",
+        run.checkpoint_dir(0) / f"{atomic.TMP_PREFIX}123-optimizer.safetensors",
+        run.root / f"{atomic.TMP_PREFIX}123-manifest.json",
+    ]
+    kept = run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE
+    for path in [*leftovers, kept]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 10)
+    assert run.remove_temporary_files() == 3
+    assert not any(p.exists() for p in leftovers) and kept.exists() and run.manifest_path.exists()
+    assert run.remove_temporary_files() == 0
+
+
+def test_a_checkpoint_never_lists_a_temporary_file_beside_its_weights(tmp_path):
+    folder = tmp_path / "iter_0000"
+    folder.mkdir()
+    (folder / checkpoints.ADAPTER_FILE).write_bytes(b"weights")
+    (folder / f"{atomic.TMP_PREFIX}99-{checkpoints.OPTIMIZER_FILE}").write_bytes(b"half written")
+    checkpoints.write_manifest(folder, {})
+    assert list(checkpoints.read_manifest(folder)["files"]) == [checkpoints.ADAPTER_FILE]
+
+
+def test_a_creation_killed_before_its_manifest_is_reported_and_can_be_started_again(tmp_path, monkeypatch):
+    config = _config(tmp_path, "cut")
+    real_write = atomic.write_json_atomic
+
+    def killed_at_the_manifest(path, data):
+        if path.name == "manifest.json":
+            (path.parent / f"{atomic.TMP_PREFIX}1-manifest.json").write_text("{")  # what a kill leaves
+            raise KeyboardInterrupt("killed during the first manifest write")
+        real_write(path, data)
+
+    monkeypatch.setattr("redteam_grpo.storage.rundir.write_json_atomic", killed_at_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        RunDir.create(config)
+    monkeypatch.undo()
+    root = tmp_path / "cut"
+    (root / OWNER_FILE).touch()
+    with pytest.raises(RunDirError, match=f"never started.*redteam-grpo run --config {root / 'config.json'}"):
+        RunDir.open(root)
+    run = RunDir.create(config)  # the same run id: the folder holds no run yet, so it is taken over
+    assert run.manifest()["status"] == "running" and run.stored_config().run.run_id == "cut"
+    assert not list(root.glob(f"{atomic.TMP_PREFIX}*"))
+    assert RunDir.open(root).manifest()["stages"] == {}
+    with pytest.raises(RunDirError, match="already exists: resume it"):
+        RunDir.create(config)
+
+
+def test_a_folder_with_other_files_is_not_taken_for_an_unfinished_run(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match=r"not a run directory \(notes.txt"):
+        RunDir.create(_config(tmp_path))
+
+
+def test_a_signal_during_recording_is_delivered_after_it(run):
+    with pytest.raises(KeyboardInterrupt), interrupts.recording():
+        signal.raise_signal(signal.SIGINT)
+        run.set_status("recorded before the interrupt")
+    assert run.manifest()["status"] == "recorded before the interrupt"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
