@@ -7,7 +7,6 @@ bars and its advisory messages, and the deprecation warnings libraries address t
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from typing import Annotated
@@ -50,26 +49,3 @@ def quiet_libraries(verbose: bool) -> None:
     if download_bars:
         # A first download of a real model takes minutes; without its bar it looks like a hang.
         enable_progress_bars()
-
-
-class _NoTraceback(logging.Filter):
-    """Drops the traceback Prefect logs when a flow or task run fails: the CLI reports the cause itself, as one
-    `error:` line (with `--verbose`, or in the Prefect API, the traceback is still there)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is None
-
-
-def keep_tracebacks_off_console() -> None:
-    """Set up Prefect's logging now and filter its console handler. Call after `quiet_libraries(False)`."""
-    from prefect.logging.configuration import setup_logging
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    setup_logging()
-    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in logging.Logger.manager.loggerDict)]
-    for logger in loggers:
-        for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler) and not any(
-                isinstance(f, _NoTraceback) for f in handler.filters
-            ):
-                handler.addFilter(_NoTraceback())

@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from redteam_grpo.cli.console import VerboseOption, keep_tracebacks_off_console, quiet_libraries
+from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.cli.errors import user_errors
 
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
@@ -87,6 +87,8 @@ def run(
     verbose = verbose or (cfg or stored).logging.level == "DEBUG"
     quiet_libraries(verbose)
     if not verbose:
+        from redteam_grpo.flows.console import keep_tracebacks_off_console
+
         keep_tracebacks_off_console()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from redteam_grpo.cli.console import VerboseOption, keep_tracebacks_off_console, quiet_libraries
+from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.cli.errors import user_errors
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory (runs/<run-id>).")]
@@ -183,6 +183,8 @@ def evaluate(
     verbose = verbose or stored.logging.level == "DEBUG"
     quiet_libraries(verbose)
     if not verbose:
+        from redteam_grpo.flows.console import keep_tracebacks_off_console
+
         keep_tracebacks_off_console()
     from redteam_grpo.flows.evaluate import evaluate as evaluate_flow
     from redteam_grpo.tasks.evaluate import EvaluationError

@@ -1,0 +1,28 @@
+"""Prefect's console output for the CLI: a failed flow or task run's traceback stays off the console, because the
+CLI reports the cause itself as one `error:` line (with `--verbose`, or in the Prefect API, the traceback is there)."""
+
+from __future__ import annotations
+
+import logging
+
+
+class _NoTraceback(logging.Filter):
+    """Drops the records that carry a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None
+
+
+def keep_tracebacks_off_console() -> None:
+    """Set up Prefect's logging now and filter its console handler. Call after `quiet_libraries(False)`."""
+    from prefect.logging.configuration import setup_logging
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    setup_logging()
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in logging.Logger.manager.loggerDict)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, _NoTraceback) for f in handler.filters
+            ):
+                handler.addFilter(_NoTraceback())
