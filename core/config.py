@@ -215,7 +215,10 @@ class RewardConfig(_Section):
     batch_size: int = Field(64, gt=0)
     """Texts per scorer forward."""
     max_length: int = Field(512, gt=0)
-    """Scorer input truncation (tokens)."""
+    """The most tokens a scorer reads (the harm scorer and the refusal classifier). Each lowers it to what its
+    model can take (`tokenizer.model_max_length` / `config.max_position_embeddings`; a judge also keeps
+    `judge_max_new_tokens` positions for its verdict). A longer text is scored on its beginning (a judge
+    shortens the prompt and response before rendering them) and counted in the `n_truncated_texts` metric."""
     url: str | None = None
     """Score through the HTTP reward server at this URL (e.g. `http://127.0.0.1:50050`, started with
     `redteam-grpo serve-reward`) instead of in-process. The server must serve the scorer named above. A bearer

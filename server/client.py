@@ -186,7 +186,11 @@ class RewardClient:
                 raise RewardServiceError(
                     f"reward server returned {len(body['results'])} results for {end - start} texts"
                 )
-            out.extend(TextScore(r["score"], tuple(r["categories"]), bool(r["refusal"])) for r in body["results"])
+            out.extend(
+                # a server older than the `truncated` field sends none: it scored or failed every text whole
+                TextScore(r["score"], tuple(r["categories"]), bool(r["refusal"]), bool(r.get("truncated", False)))
+                for r in body["results"]
+            )
         return out
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
