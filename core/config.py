@@ -226,7 +226,8 @@ class RewardConfig(_Section):
     timeout_s: float = Field(120.0, gt=0.0)
     """Seconds to wait for one reward-server request."""
     retries: int = Field(4, ge=0)
-    """Retries of a reward-server request after a connection error, timeout or 5xx (exponential backoff)."""
+    """Retries of a reward-server request after a connection error, timeout or 502/503/504 (exponential backoff);
+    a 4xx or 500 is not retried (server/client.py)."""
     backoff_s: float = Field(0.5, ge=0.0)
     """First retry delay; it doubles with every retry (capped at 30 s)."""
 
