@@ -9,11 +9,12 @@ Three layers, all against a real uvicorn on loopback (`live_reward_server`):
 - Schemathesis on the server's own OpenAPI schema, positive (bodies the schema allows) and negative (bodies it
   does not), with zero 5xx.
 
-`REDTEAM_GRPO_FUZZ_EXAMPLES` sets the examples of each fuzzed case (default 150, a few seconds each); CI-sized
-runs use the default, a thorough one e.g. `REDTEAM_GRPO_FUZZ_EXAMPLES=2500` (4 Schemathesis cases on the POST
-endpoints: 10,000 requests, about a minute on 2 CPU cores). The operations are driven with Hypothesis
-directly (schemathesis' lazy pytest fixture loader does not work with this pytest), one test per operation
-and mode, so a failure names the endpoint.
+`REDTEAM_GRPO_FUZZ_EXAMPLES` sets the examples of each fuzzed case. The default, 150, keeps the file under a
+minute on 2 CPU cores; a thorough run is `REDTEAM_GRPO_FUZZ_EXAMPLES=2500 pytest tests/server/test_openapi_fuzz.py
+-k "no_input and POST"`: 4 Schemathesis cases on the POST endpoints, 10,000 requests, about 15 minutes on 2
+shared CPU cores, most of it the classifier scoring the schema-valid bodies (~0.3 s each, up to 64 texts).
+The operations are driven with Hypothesis directly (schemathesis' lazy pytest fixture loader does not work
+with this pytest), one test per operation and mode, so a failure names the endpoint.
 """
 
 from __future__ import annotations
