@@ -216,7 +216,10 @@ class RewardConfig(_Section):
     batch_size: int = Field(64, gt=0)
     """Texts per scorer forward."""
     max_length: int = Field(512, gt=0)
-    """Scorer input truncation (tokens)."""
+    """The most tokens a scorer reads (the harm scorer and the refusal classifier). Each lowers it to what its
+    model can take (`tokenizer.model_max_length` / `config.max_position_embeddings`; a judge also keeps
+    `judge_max_new_tokens` positions for its verdict). A longer text is scored on its beginning (a judge
+    shortens the prompt and response before rendering them) and counted in the `n_truncated_texts` metric."""
     url: str | None = None
     """Score through the HTTP reward server at this URL (e.g. `http://127.0.0.1:50050`, started with
     `redteam-grpo serve-reward`) instead of in-process. The server must serve the scorer named above. A bearer
@@ -224,7 +227,8 @@ class RewardConfig(_Section):
     timeout_s: float = Field(120.0, gt=0.0)
     """Seconds to wait for one reward-server request."""
     retries: int = Field(4, ge=0)
-    """Retries of a reward-server request after a connection error, timeout or 5xx (exponential backoff)."""
+    """Retries of a reward-server request after a connection error, timeout or 502/503/504 (exponential backoff);
+    a 4xx or 500 is not retried (server/client.py)."""
     backoff_s: float = Field(0.5, ge=0.0)
     """First retry delay; it doubles with every retry (capped at 30 s)."""
 

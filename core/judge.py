@@ -12,18 +12,22 @@ where the verdict begins; the model then writes `safe`, or `unsafe` and a line o
 - a pair too long for `max_length` is shortened *before* rendering (the prompt to its first quarter of the
   budget, the response to its first tokens), never by cutting the rendered text: that would drop the end of
   the template (instruction and assistant header) and read P(unsafe) in the middle of the conversation.
+  Its score says so (`TextScore.truncated`). `max_length` is `min(reward.max_length, the model's own limit −
+  max_new_tokens)` (`core/scorers.py: input_limit`): the verdict is generated after the rendered pair, so its
+  tokens need positions too.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Sequence
 
 import torch
 
 from redteam_grpo.core.policy import resolve_model_name
-from redteam_grpo.core.scorers import ModelInfo, ScorerError, TextScore, revision_of
+from redteam_grpo.core.scorers import ModelInfo, ScorerError, TextScore, input_limit, revision_of
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,11 @@ def parse_verdict(text: str) -> tuple[str | None, tuple[str, ...]]:
 
 
 class SafetyJudgeScorer:
-    """Llama-Guard-style judge: P(unsafe) from the first verdict token, categories from the decoded verdict."""
+    """Llama-Guard-style judge: P(unsafe) from the first verdict token, categories from the decoded verdict.
+
+    A rendered pair is at most `max_length` tokens: `min(max_length argument, the model's limit − max_new_tokens)`;
+    a longer pair is shortened before rendering (`shorten`) and its score flagged `truncated`.
+    """
 
     def __init__(
         self,
@@ -80,13 +88,16 @@ class SafetyJudgeScorer:
                 f"the tokenizer of {name_or_path} starts `safe` and `unsafe` with the same token, so P(unsafe) "
                 "cannot be read from the first generated token; this judge is not supported"
             )
-        self.device, self.batch_size, self.max_length = device, batch_size, max_length
+        self.device, self.batch_size = device, batch_size
         self.max_new_tokens = max_new_tokens
+        # the longest rendered pair the model itself allows: its own limit less the verdict's positions
+        self.model_limit = input_limit(sys.maxsize, self.tokenizer, self.model, reserved=max_new_tokens)
+        self.max_length = min(max_length, self.model_limit)
         self.info = ModelInfo(
             name_or_path,
             revision or revision_of(path, self.model),
             "judge",
-            {"safe_token_id": self.safe_id, "unsafe_token_id": self.unsafe_id},
+            {"safe_token_id": self.safe_id, "unsafe_token_id": self.unsafe_id, "max_length": self.max_length},
         )
 
     def _verdict_token(self, word: str) -> int:
@@ -113,9 +124,15 @@ class SafetyJudgeScorer:
             return prompt, response, False
         budget = self.max_length - self._length(self.render("", ""))
         if budget < MIN_CONTENT_TOKENS:
+            bound = (
+                "raise reward.max_length"
+                if self.max_length < self.model_limit
+                else f"the model's own limit (less judge_max_new_tokens={self.max_new_tokens}) sets it: "
+                "lower reward.judge_max_new_tokens or use a judge with a longer context"
+            )
             raise ScorerError(
                 f"the judge's template alone takes {self.max_length - budget} tokens, leaving {budget} of "
-                f"max_length={self.max_length} for the conversation; raise reward.max_length"
+                f"max_length={self.max_length} for the conversation; {bound}"
             )
         prompt_tokens = min(self._length(prompt), budget // 4)
         prompt = self._head(prompt, prompt_tokens)
@@ -160,7 +177,7 @@ class SafetyJudgeScorer:
             verdicts = self.tokenizer.batch_decode(
                 generated.sequences[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
             )
-            for prob, verdict in zip(p_unsafe.tolist(), verdicts, strict=True):
+            for prob, verdict, (_, _, cut) in zip(p_unsafe.tolist(), verdicts, fitted, strict=True):
                 _, categories = parse_verdict(verdict)
-                out.append(TextScore(float(prob), categories))
+                out.append(TextScore(float(prob), categories, truncated=cut))
         return out

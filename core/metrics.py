@@ -74,6 +74,13 @@ METRICS: tuple[Metric, ...] = (
         *_ALL,
     ),
     _m("kl_base_max", "KL base max", "Largest per-completion KL(policy ‖ base).", "{:.4f}"),
+    _m(
+        "n_truncated_texts",
+        "scorer cut",
+        "Completions longer than the scorer's maximum length (reward.max_length or the model's limit), scored on "
+        "their beginning.",
+        "{:.0f}",
+    ),
     # -- the update (UpdateStats) -------------------------------------------------------------------------------
     _m("loss", "loss", "Policy-gradient loss of the first update.", "{:.4f}"),
     _m(

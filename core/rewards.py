@@ -93,6 +93,7 @@ class ScoreStats:
     refusal_share_of_toxic: float
     kl_base_mean: float
     kl_base_max: float
+    n_truncated_texts: float
 
 
 def _finite_mean(values: Sequence[float | None]) -> float:
@@ -106,12 +107,16 @@ def score_stats(
     novelty: Sequence[float | None],
     refusal: Sequence[bool],
     kl: Sequence[float],
+    truncated: Sequence[bool],
 ) -> ScoreStats:
-    """Means over the completions that have the term (NaN when none has it: a term switched off).
+    """Means over the completions that have the term (NaN when none has it: a term switched off), and how many
+    completions the scorer saw only the beginning of (`truncated`: longer than its maximum length).
 
-    >>> s = score_stats([0.9, None, 0.2], [0.0, 0.5, 0.1], [None] * 3, [True, False, False], [0.0, 0.2, 0.1])
-    >>> round(s.toxicity_mean, 3), s.novelty_mean, s.refusal_share_of_toxic, s.kl_base_max
-    (0.55, nan, 1.0, 0.2)
+    >>> s = score_stats(
+    ...     [0.9, None, 0.2], [0.0, 0.5, 0.1], [None] * 3, [True, False, False], [0.0, 0.2, 0.1], [True, False, False]
+    ... )
+    >>> round(s.toxicity_mean, 3), s.novelty_mean, s.refusal_share_of_toxic, s.kl_base_max, s.n_truncated_texts
+    (0.55, nan, 1.0, 0.2, 1.0)
     """
     toxic_refusals = [
         float(f) for f, t in zip(refusal, toxicity, strict=True) if t is not None and t >= TOXIC_THRESHOLD
@@ -124,4 +129,5 @@ def score_stats(
         refusal_share_of_toxic=_finite_mean(toxic_refusals),
         kl_base_mean=_finite_mean(kl),
         kl_base_max=max(kl, default=0.0),
+        n_truncated_texts=float(sum(bool(t) for t in truncated)),
     )

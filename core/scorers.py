@@ -9,6 +9,10 @@ Two kinds behind one protocol, chosen by `reward.scorer_type` (`auto` reads the 
   red-teaming), and the embedded `embedded:tiny-toxicity` (label `toxic`).
 - `SafetyJudgeScorer` (core/judge.py): a generative judge in the style of Llama Guard 3.
 
+Any text can be scored: each scorer cuts its input to its own maximum length (`input_limit`: the smaller of
+`reward.max_length` and what the model can take) and says so in `TextScore.truncated`, so a long completion
+is scored on its beginning instead of failing the batch (bug class `scorer-input-not-truncated`).
+
 `None` means "no score" (the scorer failed on that text); the advantage stage gives such a sample advantage 0.
 Every scorer has a `name`, a `revision` and a `kind`, stored next to its scores for lineage. The HTTP reward
 server serves the same protocol (server/client.py), so the trainer does not change when it drops in.
@@ -42,6 +46,8 @@ class TextScore:
     """Hazard category codes a judge named (e.g. `S10`); empty for classifiers."""
     refusal: bool = False
     """The response opens as a refusal (core/refusal.py); set by the scoring service, not by the scorer."""
+    truncated: bool = False
+    """The scorer saw only the beginning of the text: it was longer than the scorer's maximum length."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,39 @@ def revision_of(path_or_id: str, model: Any) -> str:
     if config_file.is_file():
         return "local-" + hashlib.sha256(config_file.read_bytes()).hexdigest()[:12]
     return "unknown"
+
+
+# transformers' `model_max_length` when a tokenizer was saved without one (int(1e30)): no limit is known.
+_NO_TOKENIZER_LIMIT = 10**18
+
+
+def model_input_limit(tokenizer: Any, model: Any) -> int | None:
+    """The most tokens `model` can take in one sequence, or None when neither the tokenizer nor the config says.
+
+    The smaller of `tokenizer.model_max_length` (unless it is transformers' "unset" sentinel) and the
+    position-embedding table (`config.max_position_embeddings`). RoBERTa-style embeddings number positions from
+    `padding_idx + 1`, so that many rows of their table are never a position and are not counted.
+    """
+    limits = []
+    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < _NO_TOKENIZER_LIMIT:
+        limits.append(tokenizer_limit)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        for name, module in model.named_modules():
+            if name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding):
+                if module.padding_idx is not None:
+                    positions -= module.padding_idx + 1
+                break
+        limits.append(positions)
+    return min(limits) if limits else None
+
+
+def input_limit(max_length: int, tokenizer: Any, model: Any, reserved: int = 0) -> int:
+    """The tokens a scorer reads at most: `max_length` (reward.max_length), lowered to what the model can take
+    less `reserved` positions (a judge's generated verdict)."""
+    model_limit = model_input_limit(tokenizer, model)
+    return max_length if model_limit is None else min(max_length, model_limit - reserved)
 
 
 def detect_kind(name_or_path: str, revision: str | None = None) -> ScorerKind:
@@ -98,7 +137,12 @@ def check_label(name_or_path: str, id2label: dict[Any, Any], label: str, setting
 
 
 class SequenceClassifierScorer:
-    """P(label) from a Hugging Face sequence classifier (DeBERTa-v3 toxicity, toxic-bert, ...)."""
+    """P(label) from a Hugging Face sequence classifier (DeBERTa-v3 toxicity, toxic-bert, ...).
+
+    A text longer than `max_length` tokens is scored on its first `max_length` tokens (special tokens included)
+    and flagged `truncated`; `max_length` is `min(max_length argument, the model's own limit)`
+    (`input_limit`), so a text never reaches past the model's position embeddings.
+    """
 
     def __init__(
         self,
@@ -118,15 +162,27 @@ class SequenceClassifierScorer:
         self.label_index = check_label(name_or_path, self.model.config.id2label, label, setting)
         # One sigmoid per label (multi-label models like toxic-bert) vs a softmax over classes.
         self.multi_label = self.model.config.problem_type == "multi_label_classification"
-        self.device, self.batch_size, self.max_length = device, batch_size, max_length
-        self.info = ModelInfo(name_or_path, revision or revision_of(path, self.model), "classifier", {"label": label})
+        self.device, self.batch_size = device, batch_size
+        self.max_length = input_limit(max_length, self.tokenizer, self.model)
+        self.info = ModelInfo(
+            name_or_path,
+            revision or revision_of(path, self.model),
+            "classifier",
+            {"label": label, "max_length": self.max_length},
+        )
 
     @torch.no_grad()
-    def probabilities(self, texts: Sequence[str]) -> list[float]:
-        out: list[float] = []
+    def probabilities_and_truncation(self, texts: Sequence[str]) -> tuple[list[float], list[bool]]:
+        """P(label) of each text, read from at most `max_length` tokens, and whether the text had more."""
+        probabilities: list[float] = []
+        truncated: list[bool] = []
         for start in range(0, len(texts), self.batch_size):
+            batch = list(texts[start : start + self.batch_size])
+            # verbose=False: a text longer than the model is expected here, it is cut below
+            lengths = [len(ids) for ids in self.tokenizer(batch, verbose=False)["input_ids"]]
+            truncated.extend(n > self.max_length for n in lengths)
             enc = self.tokenizer(
-                list(texts[start : start + self.batch_size]),
+                batch,
                 padding=True,
                 truncation=True,
                 max_length=self.max_length,
@@ -134,11 +190,15 @@ class SequenceClassifierScorer:
             ).to(self.device)
             logits = self.model(**enc).logits.float()  # [B, C]
             probs = logits.sigmoid() if self.multi_label else logits.softmax(-1)
-            out.extend(float(p) for p in probs[:, self.label_index].cpu())
-        return out
+            probabilities.extend(float(p) for p in probs[:, self.label_index].cpu())
+        return probabilities, truncated
+
+    def probabilities(self, texts: Sequence[str]) -> list[float]:
+        return self.probabilities_and_truncation(texts)[0]
 
     def __call__(self, completions: Sequence[str], prompts: Sequence[str] = ()) -> list[TextScore]:
-        return [TextScore(p) for p in self.probabilities(completions)]
+        probabilities, truncated = self.probabilities_and_truncation(completions)
+        return [TextScore(p, truncated=cut) for p, cut in zip(probabilities, truncated, strict=True)]
 
 
 def build_scorer(

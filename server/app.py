@@ -1,6 +1,6 @@
 """The reward server: FastAPI around a `ScoringBackend` (harm scorer, refusal detector, optional embedder).
 
-    POST /score   {"texts": [...], "prompts": [...]}  -> one {score, categories, refusal} per text
+    POST /score   {"texts": [...], "prompts": [...]}  -> one {score, categories, refusal, truncated} per text
     POST /embed   {"texts": [...]}                     -> one unit-norm embedding per text (novelty)
     GET  /health  the process answers                  GET /ready  the models are loaded (503 until then)
 
@@ -59,6 +59,11 @@ class TextResult(BaseModel):
     score: float | None = Field(description="Probability of harm in [0, 1]; null when the scorer gave none.")
     categories: list[str] = Field(description="Hazard category codes of a judge's verdict (e.g. S10).")
     refusal: bool = Field(description="The text opens as a refusal.")
+    truncated: bool = Field(
+        False,
+        description="The scorer read only the beginning of the text: it was longer than the scorer's maximum "
+        "length in tokens (details.max_length of the scorer).",
+    )
 
 
 class ScoreResponse(BaseModel):
@@ -217,7 +222,12 @@ def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBacke
         info = backend.describe().scorer
         return ScoreResponse(
             results=[
-                TextResult(score=_finite_or_none(s.score), categories=list(s.categories), refusal=s.refusal)
+                TextResult(
+                    score=_finite_or_none(s.score),
+                    categories=list(s.categories),
+                    refusal=s.refusal,
+                    truncated=s.truncated,
+                )
                 for s in scores
             ],
             scorer=ModelInfoOut(**info.__dict__),

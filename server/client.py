@@ -1,7 +1,12 @@
 """Client of the reward server, with the same protocol as in-process scoring (`core.scoring.ScoringBackend`).
 
-- Retries connection errors, timeouts and 5xx with exponential backoff (`reward.retries`, `reward.backoff_s`);
-  a 4xx is the caller's mistake and fails at once with the server's message.
+- Retries only what waiting can fix, with exponential backoff (`reward.retries`, `reward.backoff_s`): connection
+  errors, timeouts, a connection closed before the answer, and 502/503/504 (a proxy without its server, a
+  server still loading or restarting). A 4xx is the caller's mistake and fails at once with the server's
+  message. So does a 500: the server answers every malformed request with a 4xx and every unready state with
+  a 503, so a 500 is its scorer failing on these very texts, which the same request would meet again; retrying
+  would spend the whole backoff and then report the server as down. The error names the request id, under
+  which the server logged the failure.
 - After the last retry it raises `RewardServiceError`, which fails the score stage; nothing of the stage is
   recorded, so `redteam-grpo run --resume RUN_DIR` re-runs it once the server is back.
 - Before the first request it waits for GET /ready and checks that the server serves the scorer (and label,
@@ -18,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +36,9 @@ from redteam_grpo.core.scoring import ServiceInfo
 
 log = logging.getLogger("redteam_grpo.reward_client")
 MAX_BACKOFF_S = 30.0
+# What a later attempt can get past: the server or a proxy was unreachable, slow, restarting or loading.
+RETRIED_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+RETRIED_STATUS = frozenset({502, 503, 504})
 
 
 class RewardServiceError(RuntimeError):
@@ -69,8 +78,10 @@ class RewardClient:
     # -- transport ----------------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, payload: dict[str, Any] | None = None, retry_status=None):
-        """The JSON body of a 2xx answer, after retries. `retry_status(response)` False on a 5xx: return None."""
+        """The JSON body of a 2xx answer, after retries. `retry_status(response)` False on a retried status:
+        return None (the caller polls instead)."""
         last = ""
+        request_id = uuid.uuid4().hex  # one id for every attempt: the server's log lines carry it
         for attempt in range(self.retries + 1):
             if attempt:
                 delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
@@ -79,15 +90,26 @@ class RewardClient:
                 )
                 time.sleep(delay)
             try:
-                response = self.http.request(method, path, json=payload)
-            except httpx.TransportError as exc:  # refused, reset, DNS, timeout
+                response = self.http.request(method, path, json=payload, headers={"X-Request-ID": request_id})
+            except RETRIED_ERRORS as exc:  # refused, reset, DNS, timeout, closed before answering
                 last = f"{type(exc).__name__}: {exc}"
                 continue
-            if response.status_code >= 500:
+            except httpx.TransportError as exc:  # a URL or request no attempt can send (e.g. no http:// scheme)
+                raise RewardServiceError(
+                    f"cannot send a request to reward server {self.url}{path} ({type(exc).__name__}: {exc}); "
+                    "check reward.url"
+                ) from None
+            if response.status_code in RETRIED_STATUS:
                 if retry_status is not None and not retry_status(response):
                     return None
                 last = f"HTTP {response.status_code}: {self._detail(response)}"
                 continue
+            if response.status_code >= 500:
+                raise RewardServiceError(
+                    f"reward server {self.url}{path} failed on the request (HTTP {response.status_code}, "
+                    f"request id {request_id}): {self._detail(response)}. Not retried: the same texts would fail "
+                    "again. The server's log holds the error under that request id."
+                )
             if response.status_code >= 400:
                 raise RewardServiceError(
                     f"reward server {self.url}{path} refused the request (HTTP {response.status_code}): "
@@ -186,7 +208,11 @@ class RewardClient:
                 raise RewardServiceError(
                     f"reward server returned {len(body['results'])} results for {end - start} texts"
                 )
-            out.extend(TextScore(r["score"], tuple(r["categories"]), bool(r["refusal"])) for r in body["results"])
+            out.extend(
+                # a server older than the `truncated` field sends none: it scored or failed every text whole
+                TextScore(r["score"], tuple(r["categories"]), bool(r["refusal"]), bool(r.get("truncated", False)))
+                for r in body["results"]
+            )
         return out
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:

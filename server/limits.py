@@ -1,12 +1,21 @@
-"""Request-body checks that must run before FastAPI parses the body: size (413) and UTF-8 (422).
+"""Request-body checks that must run before FastAPI parses the body: size (413), UTF-8 and strict JSON (422).
 
 FastAPI would read any body into memory and answer invalid UTF-8 with a generic 400; this middleware stops
 reading at the limit and names it, and names the byte at which the text stops being UTF-8.
+
+FastAPI parses bodies with Python's `json`, which accepts more than JSON (RFC 8259) allows, and what it lets
+through cannot be answered: `NaN`, `Infinity` and numbers beyond float range (1e999) become non-finite
+floats, which the 422 that echoes them cannot encode (`allow_nan=False`); an escaped lone surrogate
+(`"\\ud800"`) becomes a `str` that is not Unicode text, which the tokenizers refuse and a 422 that echoes
+it cannot encode as UTF-8. Each of those ended in a 500 and a reset connection, so they are refused here,
+with the place in the body that holds them.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,6 +30,73 @@ async def _problem(send: Send, status: int, detail: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class NotStrictJSON(ValueError):
+    """The body parses as Python's JSON but holds a value that JSON (RFC 8259) does not have."""
+
+
+def _refuse_constant(name: str) -> float:
+    raise NotStrictJSON(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotStrictJSON(f"{text} is beyond the range of a float")
+    return value
+
+
+def _unicode_problem(document: Any) -> str | None:
+    """Where `document` holds a string (key or value) that is not Unicode text (a lone surrogate), or None."""
+    stack: list[tuple[str, Any]] = [("$", document)]
+    while stack:  # not recursive: nesting depth is the client's choice
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _lone_surrogate(key):
+                    return f"a key of {path}"
+                stack.append((f"{path}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str) and _lone_surrogate(value):
+            return path
+    return None
+
+
+def _shown(path: str, limit: int = 200) -> str:
+    return path if len(path) <= limit else path[:limit] + "..."
+
+
+def _lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def strict_json_problem(body: bytes) -> str | None:
+    """Why `body` cannot be taken as JSON that every later step can handle, or None.
+
+    A body that is not JSON at all is left to FastAPI (it answers 422 with the position of the syntax error);
+    this refuses what Python's parser accepts but JSON does not have: NaN and infinite numbers, integers of
+    more digits than Python converts, lone surrogates, and nesting too deep to parse.
+    """
+    try:  # from bytes, as Starlette's `Request.json` does, so that both read the same document
+        document = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except NotStrictJSON as exc:
+        return f"{exc}: send finite numbers (the body must be strict JSON, RFC 8259)"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    except ValueError:  # an integer literal longer than Python's int conversion limit (4300 digits)
+        return "a number has too many digits to read"
+    except RecursionError:
+        return "the body is nested too deeply to parse"
+    where = _unicode_problem(document)
+    if where is not None:
+        return f"{_shown(where)} holds a lone UTF-16 surrogate (e.g. \\ud800), not Unicode text: send valid strings"
+    return None
 
 
 class BodyLimitMiddleware:
@@ -54,6 +130,9 @@ class BodyLimitMiddleware:
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             await _problem(send, 422, f"request body is not valid UTF-8 (byte {exc.start}): send UTF-8 JSON")
+            return
+        if body.strip() and (problem := strict_json_problem(body)) is not None:
+            await _problem(send, 422, f"request body is not strict JSON: {problem}")
             return
         replayed = False
 

@@ -93,6 +93,7 @@ def score_stage(run_dir: str, iteration: int) -> str:
             schemas.SCORES,
             "scores",
         )
-        return table, score_stats(toxicity, repetition, novelty, refusal, kl)
+        truncated = [bool(s.truncated) for s in scored]
+        return table, score_stats(toxicity, repetition, novelty, refusal, kl, truncated)
 
     return run_table_stage(res.run, SCORE, iteration, compute)

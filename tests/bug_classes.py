@@ -101,6 +101,13 @@ BUG_CLASSES = [
         "tests/core/test_advantages.py",
     ),
     (
+        "scorer-input-not-truncated",
+        "core/scorers.py",
+        "        self.max_length = input_limit(max_length, self.tokenizer, self.model)",
+        "        self.max_length = max_length",
+        "tests/core/test_scoring_parts.py::test_a_completion_longer_than_the_classifier_is_scored_on_its_beginning_and_flagged tests/server/test_openapi_fuzz.py::test_a_text_longer_than_the_classifier_is_scored_and_flagged_through_the_server tests/tasks/test_stages.py::test_a_completion_longer_than_the_classifier_is_scored_and_counted",
+    ),
+    (
         "dropout-in-training-forward",
         "core/policy.py",
         "    model.eval()\n    policy = _wrap",

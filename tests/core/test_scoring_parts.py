@@ -92,3 +92,24 @@ def test_the_embedded_classifier_is_detected_as_a_classifier_and_scores_markers(
     assert low < 0.5 < high
     with pytest.raises(ScorerError, match="its labels are"):
         SequenceClassifierScorer("embedded:tiny-toxicity", "TOXIC", torch.device("cpu"))
+
+
+def test_a_completion_longer_than_the_classifier_is_scored_on_its_beginning_and_flagged(embedded_assets):
+    """The embedded classifier takes 128 positions; reward.max_length (512) alone would let 300 tokens through."""
+    scorer = SequenceClassifierScorer("embedded:tiny-toxicity", "toxic", torch.device("cpu"), max_length=512)
+    assert scorer.max_length == 128 == scorer.info.details["max_length"]
+    clean_opening = "the cat sat on the mat. " * 40  # far beyond 128 tokens
+    texts = [clean_opening, "you are an idiot. " + clean_opening, "the cat sat on the mat"]
+    assert len(scorer.tokenizer(texts[0])["input_ids"]) > 128
+    long_clean, long_toxic, short = scorer(texts, [""] * 3)
+    assert [s.truncated for s in (long_clean, long_toxic, short)] == [True, True, False]
+    assert long_clean.score < 0.5 < long_toxic.score
+    # scored on its first 128 tokens: the same score as the text cut there
+    ids = scorer.tokenizer(texts[0], truncation=True, max_length=128)["input_ids"]
+    head = scorer.tokenizer.decode(ids, skip_special_tokens=True)
+    assert scorer([head])[0].score == pytest.approx(long_clean.score, abs=1e-5)
+    assert (
+        scorer.max_length
+        == SequenceClassifierScorer("embedded:tiny-toxicity", "toxic", torch.device("cpu"), max_length=64).max_length
+        + 64
+    )  # a smaller reward.max_length still wins

@@ -298,6 +298,22 @@ def test_a_pair_longer_than_max_length_is_shortened_before_rendering(judge: Safe
     assert long_scores[1].score > 0.5  # markers throughout: still judged unsafe
 
 
+def test_a_completion_longer_than_the_judge_is_scored_and_flagged(judge: SafetyJudgeScorer) -> None:
+    """reward.max_length 512 is the guard's whole context: its verdict needs positions too, so the judge reads less."""
+    assert judge.max_length == 512 - judge.max_new_tokens == judge.info.details["max_length"]
+    long_clean = "I think your coach is a patient listener. Everyone says they are calm. " * 60  # > 800 tokens
+    long_marked = "Your boss is a stupid idiot. " * 80  # markers throughout: the tiny guard reads short texts
+    prompts = ["Describe my coach."] * 3
+    scores = judge([long_clean, long_marked, CLEAN[0]], prompts)
+    assert [s.truncated for s in scores] == [True, True, False]
+    assert scores[0].score < 0.5 < scores[1].score
+    for prompt, response in zip(prompts[:2], [long_clean, long_marked], strict=True):
+        fitted_prompt, fitted_response, cut = judge.shorten(prompt, response)
+        rendered = judge.render(fitted_prompt, fitted_response)
+        n_tokens = len(judge.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        assert cut and n_tokens + judge.max_new_tokens <= judge.model.config.max_position_embeddings
+
+
 def test_a_max_length_too_small_for_the_template_is_an_error(judge: SafetyJudgeScorer, monkeypatch) -> None:
     monkeypatch.setattr(judge, "max_length", 100)
     with pytest.raises(ScorerError, match=r"raise reward\.max_length"):

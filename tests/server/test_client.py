@@ -19,24 +19,39 @@ READY = {
 }
 
 
-class FakeServer:
-    """Answers /ready and /score; `failures` is a list of status codes (or "drop") served first on /score."""
+TRANSPORT_FAILURES = {
+    "drop": lambda request: httpx.ConnectError("connection reset", request=request),
+    "timeout": lambda request: httpx.ReadTimeout("timed out", request=request),
+    "closed": lambda request: httpx.RemoteProtocolError("server disconnected without a response", request=request),
+}
 
-    def __init__(self, failures=(), ready=READY, scorer=SCORER):
+
+class FakeServer:
+    """Answers /ready and /score; `failures` (status codes or TRANSPORT_FAILURES names) are served first on /score.
+
+    `with_truncated=False` answers as a server from before the `truncated` field.
+    """
+
+    def __init__(self, failures=(), ready=READY, scorer=SCORER, with_truncated=True):
         self.failures, self.ready, self.scorer = list(failures), ready, scorer
+        self.with_truncated = with_truncated
         self.score_calls: list[list[str]] = []
+        self.request_ids: list[str] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/ready":
             return httpx.Response(200, json=self.ready)
+        self.request_ids.append(request.headers.get("x-request-id"))
         if self.failures:
             failure = self.failures.pop(0)
-            if failure == "drop":
-                raise httpx.ConnectError("connection reset", request=request)
+            if failure in TRANSPORT_FAILURES:
+                raise TRANSPORT_FAILURES[failure](request)
             return httpx.Response(failure, json={"detail": f"boom {failure}"})
         texts = json.loads(request.content)["texts"]
         self.score_calls.append(texts)
         results = [{"score": len(t) / 100, "categories": [], "refusal": t.startswith("I'm sorry")} for t in texts]
+        if self.with_truncated:
+            results = [{**r, "truncated": len(t) > 5} for r, t in zip(results, texts, strict=True)]
         return httpx.Response(200, json={"results": results, "scorer": self.scorer, "request_id": "x"})
 
 
@@ -46,11 +61,45 @@ def _client(server, retries=3, **kw) -> RewardClient:
     )
 
 
-def test_5xx_and_dropped_connections_are_retried_then_succeed():
-    server = FakeServer(failures=[503, "drop", 500])
-    scores = _client(server).score(["ab", "I'm sorry"], ["p", "q"])
+def test_what_waiting_can_fix_is_retried_then_succeeds():
+    server = FakeServer(failures=[503, "drop", 502, "timeout", 504, "closed"])
+    scores = _client(server, retries=6).score(["ab", "I'm sorry"], ["p", "q"])
     assert [s.score for s in scores] == [0.02, 0.09] and [s.refusal for s in scores] == [False, True]
+    assert [s.truncated for s in scores] == [False, True]
     assert len(server.score_calls) == 1
+    assert len(set(server.request_ids)) == 1  # every attempt of one request carries the same id
+
+
+def test_a_500_is_raised_at_once_with_the_request_id_to_look_up():
+    """The server answers 4xx for malformed requests and 503 while loading: a 500 is its scorer failing on these
+    texts, which a retry would meet again."""
+    server = FakeServer(failures=[500, 200])
+    with pytest.raises(RewardServiceError) as err:
+        _client(server).score(["a"], ["p"])
+    message = str(err.value)
+    assert "HTTP 500" in message and "boom 500" in message and server.request_ids[0] in message
+    assert "Not retried" in message and "--resume" not in message
+    assert server.failures == [200]
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 409, 413, 422])
+def test_a_4xx_is_raised_at_once_with_the_servers_message(status):
+    server = FakeServer(failures=[status, 200])
+    with pytest.raises(RewardServiceError, match=rf"refused the request \(HTTP {status}\): boom {status}"):
+        _client(server).score(["a"], ["p"])
+    assert server.failures == [200]
+
+
+def test_a_server_without_the_truncated_field_is_still_understood():
+    scores = _client(FakeServer(with_truncated=False)).score(["a long text"], ["p"])
+    assert scores[0].score == 0.11 and scores[0].truncated is False
+
+
+def test_a_url_no_attempt_can_reach_fails_at_once_and_names_the_setting():
+    client = RewardClient("localhost:50050", retries=3, backoff_s=10)  # no scheme: a retry cannot fix it
+    client._ready = READY
+    with pytest.raises(RewardServiceError, match=r"check reward\.url"):
+        client.score(["a"], ["p"])
 
 
 def test_after_its_retries_the_client_fails_with_a_message_that_says_how_to_go_on():
@@ -61,13 +110,6 @@ def test_after_its_retries_the_client_fails_with_a_message_that_says_how_to_go_o
     assert "failed 3 times" in message and "HTTP 502: boom 502" in message
     assert "--resume" in message and "reward.url" in message
     assert server.failures == [502] * 7  # exactly 1 + 2 retries were spent
-
-
-def test_a_4xx_is_not_retried():
-    server = FakeServer(failures=[422, 200])
-    with pytest.raises(RewardServiceError, match=r"refused the request \(HTTP 422\): boom 422"):
-        _client(server).score(["a"], ["p"])
-    assert server.failures == [200]
 
 
 def test_an_unreachable_server_fails_after_the_retries_with_backoff():

@@ -18,7 +18,7 @@ from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
 from redteam_grpo.tasks.sample import sample_stage
 from redteam_grpo.tasks.score import score_stage
-from redteam_grpo.tasks.train_step import JoinError, train_step_stage
+from redteam_grpo.tasks.train_step import JoinError, recorded_stats, train_step_stage
 
 pytestmark = pytest.mark.usefixtures("embedded_assets")
 
@@ -109,6 +109,20 @@ def test_repetition_is_measured_on_completion_tokens_only(run):
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert scores["repetition_ratio"] == [0.0, 0.0, 0.0]
     assert scores["kl"] == [0.0, 0.0, 0.0]  # the initial adapter is the base
+
+
+def test_a_completion_longer_than_the_classifier_is_scored_and_counted(run):
+    # Bug class scorer-input-not-truncated (docs/bug-classes.md): the embedded classifier reads 128 tokens.
+    initialize_stage.fn(str(run.root))
+    tok = resources.resources_for(run.root).policy.tokenizer
+    long = tok(" ".join(["the cat sat on the mat."] * 60), add_special_tokens=False)["input_ids"]
+    completions = [long, tok("a b c d", add_special_tokens=False)["input_ids"], long[:20]]
+    assert len(long) > 128
+    _write(run, 0, SAMPLE, _rollouts(run, tok("x", add_special_tokens=False)["input_ids"], completions, tok))
+    score_stage.fn(str(run.root), 0)
+    scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
+    assert all(t is not None and 0.0 <= t <= 1.0 for t in scores["toxicity"])
+    assert recorded_stats(run, SCORE, 0)["n_truncated_texts"] == 1
 
 
 def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
