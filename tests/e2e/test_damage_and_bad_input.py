@@ -144,3 +144,24 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     path.write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
     code, out = _cli("run", "--config", path, "--set", f"run.runs_dir={tmp_path / 'runs'}")
     _one_error_line(code, out, str(path), "not UTF-8")
+
+
+def test_a_full_disk_is_one_line_and_leaves_every_file_whole(copy, monkeypatch):
+    import errno
+    import os
+
+    from redteam_grpo.storage import atomic
+
+    before = {p: p.read_bytes() for p in copy.root.rglob("*") if p.is_file() and p.name != "owner.lock"}
+    real_fsync = os.fsync
+
+    def full(fd):  # every atomic write fails where a full disk fails it: flushing the temporary file
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    code, out = _cli("run", "--resume", copy.root, "--set", "run.iterations=3")
+    monkeypatch.setattr(atomic.os, "fsync", real_fsync)
+    _one_error_line(code, out, "no space left", "redteam-grpo run --resume")
+    for path, content in before.items():
+        assert path.read_bytes() == content, f"{path} changed"
+    assert not [p for p in copy.root.rglob(".tmp-*")], "a temporary file was left behind"
