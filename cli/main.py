@@ -70,7 +70,6 @@ def run(
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
     from redteam_grpo.storage import ownership
-    from redteam_grpo.storage.lineage import LineageError
     from redteam_grpo.storage.rundir import RunDir, RunDirError
 
     stored = None
@@ -90,12 +89,8 @@ def run(
         from redteam_grpo.flows.console import keep_tracebacks_off_console
 
         keep_tracebacks_off_console()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from redteam_grpo.cli.signals import StopOnSignal
-    from redteam_grpo.core.scorers import ScorerError
-    from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of, with_run_id
-    from redteam_grpo.server.client import RewardServiceError
+    from redteam_grpo.flows.attack import with_run_id
 
     if cfg is not None and resume is None:
         cfg = with_run_id(cfg)  # the folder is known before the run starts, to name it if the run is stopped
@@ -104,7 +99,21 @@ def run(
         lambda line: console.print(line, markup=False, highlight=False),
     )
     stop.install()
-    total = cfg.run.iterations if cfg else None
+    try:
+        run_dir, metrics_rows = _run_with_progress(cfg, resume, redo, stop)
+    finally:
+        stop.uninstall()
+    _print_metrics(metrics_rows)
+    console.print(f"run directory: [bold]{run_dir}[/bold]")
+
+
+def _run_with_progress(cfg, resume: Path | None, redo: str | None, stop) -> tuple[str, list[dict]]:
+    """The run, under a progress bar; returns its folder and its metrics rows. Errors a person can act on are
+    turned into one line by `user_errors`; a stop signal into the resume hint and the signal's exit status."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of
+
     metrics_rows: list[dict] = []
     progress = Progress(
         TextColumn("[bold]GRPO"),
@@ -116,7 +125,7 @@ def run(
         disable=cfg is not None and not cfg.logging.progress,
     )
     with progress:
-        bar = progress.add_task("", total=total)
+        bar = progress.add_task("", total=cfg.run.iterations if cfg else None)
 
         def on_iteration(metrics: dict) -> None:
             metrics_rows.append(metrics)
@@ -132,14 +141,7 @@ def run(
         except STOP_EXCEPTIONS as exc:
             progress.stop()
             raise typer.Exit(stop.report(signal_of(exc))) from None
-        except (RunDirError, LineageError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
-        except (RewardServiceError, ScorerError) as exc:  # the run is resumable from the stage that failed
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(1) from None
-    _print_metrics(metrics_rows)
-    console.print(f"run directory: [bold]{run_dir}[/bold]")
+    return run_dir, metrics_rows
 
 
 def _print_metrics(rows: list[dict]) -> None:

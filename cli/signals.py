@@ -50,14 +50,21 @@ class StopOnSignal:
         self._reported = threading.Event()
 
     def install(self) -> None:
-        """From the main thread, before the run starts."""
-        for signum in interrupts.STOP_SIGNALS:
-            signal.signal(signum, self._on_signal)
+        """From the main thread, before the run starts; `uninstall` when the command ends."""
+        self._previous = {signum: signal.signal(signum, self._on_signal) for signum in interrupts.STOP_SIGNALS}
         receiver, sender = socket.socketpair()
         sender.setblocking(False)
-        signal.set_wakeup_fd(sender.fileno(), warn_on_full_buffer=False)
-        self._wakeup = (receiver, sender)  # kept open for the life of the process
+        self._previous_wakeup = signal.set_wakeup_fd(sender.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (receiver, sender)
         threading.Thread(target=self._watch, args=(receiver,), name="stop-watch", daemon=True).start()
+
+    def uninstall(self) -> None:
+        """Put back the handlers and the wake-up descriptor found at `install`, and end the watcher (a command
+        run inside a longer-lived process, such as a test, must leave signals as it found them)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        signal.set_wakeup_fd(self._previous_wakeup)
+        self._wakeup[1].close()  # the watcher's recv returns b"" and it ends
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self._raised:
@@ -76,10 +83,14 @@ class StopOnSignal:
         return interrupts.EXIT_STATUS[signum]
 
     def _watch(self, receiver: socket.socket) -> None:
-        while True:
-            signum = receiver.recv(1)[0]
-            if signum in interrupts.STOP_SIGNALS:
-                break
+        with receiver:
+            while True:
+                data = receiver.recv(1)
+                if not data:  # uninstalled: the command has ended
+                    return
+                if data[0] in interrupts.STOP_SIGNALS:
+                    signum = data[0]
+                    break
         if self._reported.wait(self.grace_seconds):
             return
         for root in ownership.owned_roots():  # its owner is this process, stuck: nothing else writes the run

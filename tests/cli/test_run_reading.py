@@ -75,7 +75,7 @@ def test_a_bad_query_names_the_problem_and_the_views(run_dir):
     assert code == 2 and "rollout" in out and "views: rollouts, scores, advantages, metrics" in out
 
 
-def test_a_foreign_parquet_file_is_named_not_queried(run_dir, tmp_path):
+def test_a_replaced_parquet_file_is_named_not_queried(run_dir, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
@@ -83,7 +83,7 @@ def test_a_foreign_parquet_file_is_named_not_queried(run_dir, tmp_path):
     run = RunDir.open(copy)
     pd.DataFrame({"x": [1]}).to_parquet(run.path(SCORE, 1))
     code, out = _cli("inspect", copy, "--sql", "select count(*) from scores")
-    assert code == 2 and "scores.parquet" in out and "missing column" in out
+    assert code == 2 and "scores.parquet" in out and "does not match the checksum" in out and "--redo 1/score" in out
 
 
 def test_export_writes_the_adversarial_examples_with_lineage_columns(run_dir, tmp_path):

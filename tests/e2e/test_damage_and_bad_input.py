@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,9 @@ def test_flipped_bytes_in_the_last_adapter_stop_a_resume_before_any_training(cop
     code, out = _cli("run", "--resume", copy.root, "--set", "run.iterations=3")
     _one_error_line(code, out, str(adapter), "--redo 1/train_step")
     assert copy.completed_iterations() == [0, 1]
+    # the command ran inside this process: it must leave the signal handlers as it found them
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_a_truncated_adapter_stops_a_resume_naming_the_file(copy):
