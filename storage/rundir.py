@@ -143,7 +143,7 @@ class RunDir:
         """The stage's table of `iteration`, checked against the manifest (size and checksum) and its schema before
         any value is used."""
         assert stage.schema is not None
-        self.verify(stage, iteration)
+        self.verify(stage, iteration, weights=False)
         return schemas.read_table(self.path(stage, iteration), stage.schema)
 
     def write(self, stage: Stage, iteration: int, table: pa.Table) -> Path:
@@ -298,16 +298,21 @@ class RunDir:
             return None
         return entry
 
-    def verify(self, stage: Stage, iteration: int) -> dict[str, Any]:
+    def verify(self, stage: Stage, iteration: int, weights: bool = True) -> dict[str, Any]:
         """The manifest entry of a completed stage whose files are intact; else an error that names the file, what
-        depends on it and the command that recomputes it."""
+        depends on it and the command that recomputes it. `weights=False` checks the stage's table only: the
+        weights a train step wrote are checked when they are loaded (their checkpoint's manifest), and old ones
+        may have been pruned (run.keep_checkpoints)."""
         entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
         if entry is None:
             raise RunDirError(
                 f"{stage.name} of iteration {iteration} is not recorded as completed in {self.manifest_path}: "
                 f"resume the run (redteam-grpo run --resume {self.root})"
             )
+        table = str(self.path(stage, iteration).relative_to(self.root)) if stage.file else None
         for rel, digest in entry["files"].items():
+            if not weights and rel != table:
+                continue
             found = file_digest(self.root / rel)
             if found != digest:
                 problem = "is missing" if found is None else "does not match the checksum recorded when it was written"
@@ -320,10 +325,13 @@ class RunDir:
         return entry
 
     def verify_all(self) -> None:
-        """Check every file the manifest records (what a resumed run builds on); the first damage is an error."""
+        """Check what a resumed run builds on: every stage table the manifest records, and the weights of the newest
+        sealed checkpoint and of any iteration after it. The first damage is an error."""
+        sealed = self.completed_iterations()
+        newest = sealed[-1] if sealed else -1
         for key in sorted(self.manifest()["stages"], key=_parse_manifest_key):
             iteration, name = _parse_manifest_key(key)
-            self.verify(BY_NAME[name], iteration)
+            self.verify(BY_NAME[name], iteration, weights=iteration >= newest)
 
     def forget_from(self, stage: Stage, iteration: int) -> list[str]:
         """Drop `stage` of `iteration`, the stages after it and every later iteration from the manifest, so that a

@@ -168,3 +168,13 @@ def test_a_run_owned_by_another_process_is_refused_before_it_writes_anything(tmp
         attack.attack_run(resume=str(run.root))
     assert run.manifest() == before
     assert not run.checkpoint_dir(-1).exists()
+
+
+def test_a_run_that_prunes_old_checkpoints_resumes_and_reads(tmp_path):
+    cfg = _config(tmp_path, "pruned", "run.iterations=2", "run.keep_checkpoints=1")
+    attack.attack_run(config=cfg.model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "pruned")
+    assert not run.checkpoint_dir(0).exists()
+    attack.attack_run(resume=str(run.root), overrides=["run.iterations=3"])
+    assert run.completed_iterations() == [0, 1, 2] and run.manifest()["status"] == "completed"
+    assert [run.read(TRAIN_STEP, i).column("iteration").to_pylist() for i in range(3)] == [[0], [1], [2]]

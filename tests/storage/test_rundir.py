@@ -96,3 +96,22 @@ def test_redo_drops_the_stage_the_rest_of_its_iteration_and_later_iterations(run
     assert parse_redo("4") == (SAMPLE, 4)
     with pytest.raises(RunDirError, match="--redo 7/train_step"):
         parse_redo("7/scores")
+
+
+def test_pruned_weights_of_old_iterations_do_not_make_their_tables_unreadable(run):
+    from redteam_grpo.storage.stages import CHECKPOINT, TRAIN_STEP
+
+    for iteration in (0, 1):
+        table = run.write(ADVANTAGE, iteration, _advantages(iteration))
+        weights = run.checkpoint_dir(iteration) / "adapter.safetensors"
+        weights.parent.mkdir(parents=True)
+        weights.write_bytes(b"weights")
+        run.record_done(ADVANTAGE, iteration, [table])
+        run.record_done(TRAIN_STEP, iteration, [weights])  # a train step records the weights it wrote
+        run.record_done(CHECKPOINT, iteration, [])
+    (run.checkpoint_dir(0) / "adapter.safetensors").unlink()  # run.keep_checkpoints=1 pruned it
+    run.verify_all()  # a resume builds on iteration 1's weights only
+    assert run.read(ADVANTAGE, 0).num_rows == 1
+    (run.checkpoint_dir(1) / "adapter.safetensors").write_bytes(b"damaged")
+    with pytest.raises(RunDirError, match=r"--redo 1/train_step"):
+        run.verify_all()
