@@ -33,6 +33,11 @@ STOP_GRACE_SECONDS = 5.0
 
 
 def resume_hint(root: Path, signum: int) -> str:
+    if not (root / "manifest.json").is_file():
+        return (
+            f"run {root.name} interrupted by {interrupts.signal_name(signum)} before it started: nothing was "
+            "written; run the same command again"
+        )
     return (
         f"run {root.name} interrupted by {interrupts.signal_name(signum)}: its completed stages are kept; "
         f"continue it with: redteam-grpo run --resume {root}"

@@ -105,6 +105,7 @@ def owned_run(config: Config | None, resume: str | Path | None, redo: str | None
                 log.info("run %s: removed %d temporary files left by interrupted writes", run.run_id, removed)
             run.check_resume_config(config, RESUMABLE_CHANGES)
             if redo is not None:
+                run.check_redo(*parse_redo(redo))
                 dropped = run.forget_from(*parse_redo(redo))
                 log.warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
             run.verify_all()
@@ -161,7 +162,7 @@ def _stopped(run: RunDir, iteration: int, cfg: Config, metrics: dict[str, float]
     stop = early_stop(metrics or run.read(TRAIN_STEP, iteration).to_pylist()[0], cfg.run)
     if stop is None:
         return False
-    stage_logger().info("early stop after iteration %d: %s", iteration, stop.message)
+    stage_logger().warning("early stop after iteration %d: %s", iteration, stop.message)
     run.set_status("early_stopped", stop_kind=stop.kind, stop_reason=stop.message)
     return True
 
@@ -183,19 +184,15 @@ def attack_run(
     `redo` (with `resume`): `7` or `7/score` recomputes that part of the run and everything after it.
     """
     with owned_run(requested_config(config, config_path, overrides, resume), resume, redo) as run:
-        return _run_iterations(run, resumed=resume is not None, on_iteration=on_iteration)
+        return _run_iterations(run, on_iteration=on_iteration)
 
 
-def _run_iterations(run: RunDir, resumed: bool, on_iteration: Any) -> str:
+def _run_iterations(run: RunDir, on_iteration: Any) -> str:
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()
     start = done[-1] + 1 if done else 0
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
-    status = run.manifest().get("status")
-    if status == "early_stopped" and resumed:
-        log.info("run %s stopped early before (%s): nothing to do", run.run_id, run.manifest().get("stop_reason"))
-        return str(run.root)
     run.set_status("running")
     try:
         initialize_stage(str(run.root))

@@ -71,6 +71,11 @@ def _manifest_key(stage: Stage, iteration: int) -> str:
     return f"{iteration}/{stage.name}"
 
 
+def _pipeline_order(key: str) -> tuple[int, int]:
+    iteration, name = _parse_manifest_key(key)
+    return iteration, [s.name for s in ATTACK_ITERATION].index(name)
+
+
 def _parse_manifest_key(key: str) -> tuple[int, str]:
     iteration, _, stage = key.partition("/")
     return int(iteration), stage
@@ -88,8 +93,8 @@ class DamagedRunError(RunDirError):
     """A file the manifest records is missing or no longer matches its checksum."""
 
 
-# sha256 of files already checked by this process, by (path, size, mtime): each file is hashed once per change.
-_DIGESTS: dict[tuple[str, int, int], str] = {}
+# sha256 of files already checked by this process, by (path, inode, size, mtime, ctime): hashed once per change.
+_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
 
 
 def file_digest(path: Path) -> str | None:
@@ -98,7 +103,7 @@ def file_digest(path: Path) -> str | None:
         stat = path.stat()
     except FileNotFoundError:
         return None
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     if key not in _DIGESTS:
         _DIGESTS[key] = sha256_file(path)
     return _DIGESTS[key]
@@ -327,11 +332,33 @@ class RunDir:
     def verify_all(self) -> None:
         """Check what a resumed run builds on: every stage table the manifest records, and the weights of the newest
         sealed checkpoint and of any iteration after it. The first damage is an error."""
-        sealed = self.completed_iterations()
-        newest = sealed[-1] if sealed else -1
-        for key in sorted(self.manifest()["stages"], key=_parse_manifest_key):
+        newest = max(self.recorded_iterations(BY_NAME["train_step"]), default=-1)  # the newest weights written
+        for key in sorted(self.manifest()["stages"], key=_pipeline_order):
             iteration, name = _parse_manifest_key(key)
             self.verify(BY_NAME[name], iteration, weights=iteration >= newest)
+
+    def check_redo(self, stage: Stage, iteration: int) -> None:
+        """Refuse a redo whose starting weights are gone (pruned by run.keep_checkpoints, or damaged) before anything
+        is dropped, naming the earliest redo that can work."""
+        order = [s.name for s in ATTACK_ITERATION]
+        before_update = order.index(stage.name) <= order.index("train_step")
+        needed = iteration - 1 if before_update else iteration  # the checkpoint (or weights) the redo starts from
+        if needed < 0:
+            return  # the initial adapter is written again when missing
+        try:
+            if before_update:
+                checkpoints.read_manifest(self.checkpoint_dir(needed))
+            else:
+                self.verify(BY_NAME["train_step"], needed)
+        except (checkpoints.CheckpointError, RunDirError):
+            kept = [
+                i for i in self.completed_iterations() if (self.checkpoint_dir(i) / checkpoints.MANIFEST_FILE).is_file()
+            ]
+            earliest = f"--redo {kept[0] + 1}" if kept else "--redo 0"
+            raise RunDirError(
+                f"--redo {iteration}/{stage.name} starts from the weights after iteration {needed}, which are no "
+                f"longer intact or were pruned (run.keep_checkpoints); the earliest redo that can work is {earliest}"
+            ) from None
 
     def forget_from(self, stage: Stage, iteration: int) -> list[str]:
         """Drop `stage` of `iteration`, the stages after it and every later iteration from the manifest, so that a

@@ -97,6 +97,7 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
         stage_logger().info("iteration %d: checkpoint already completed", iteration)
         return str(folder)
     metrics = run.read(TRAIN_STEP, iteration).to_pylist()[0]
+    run.verify(TRAIN_STEP, iteration)  # seal exactly the weights the train step recorded
     checkpoints.save_rng(folder / checkpoints.RNG_FILE)
     summary = {k: metrics[k] for k in ("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean")}
     with interrupts.recording():  # sealed exactly when recorded

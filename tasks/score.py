@@ -23,7 +23,7 @@ def novelty_memory(run: RunDir, iteration: int, iterations_back: int, max_rows: 
     """Embeddings of the newest `max_rows` completions of the `iterations_back` iterations before this one."""
     rows: list[list[float]] = []
     for earlier in range(max(0, iteration - iterations_back), iteration):
-        if run.completed(SCORE, earlier):
+        if earlier in run.recorded_iterations(SCORE):  # a damaged one is an error in read, never skipped
             rows.extend(e for e in run.read(SCORE, earlier).column("embedding").to_pylist() if e is not None)
     rows = rows[-max_rows:]
     return torch.tensor(rows, dtype=torch.float32) if rows else None

@@ -35,10 +35,7 @@ def join_on_keys(left: dict[str, list], right: dict[str, list], what: str) -> li
 
 
 def recorded_stats(run: RunDir, stage: Stage, iteration: int) -> dict[str, float]:
-    entry = run.completed(stage, iteration)
-    if entry is None:
-        raise RuntimeError(f"iteration {iteration}: {stage.name} is not recorded as completed; resume the run")
-    return entry["stats"]
+    return run.verify(stage, iteration, weights=False)["stats"]
 
 
 @task(name=TRAIN_STEP.name, cache_policy=NO_CACHE)

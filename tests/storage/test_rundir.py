@@ -115,3 +115,25 @@ def test_pruned_weights_of_old_iterations_do_not_make_their_tables_unreadable(ru
     (run.checkpoint_dir(1) / "adapter.safetensors").write_bytes(b"damaged")
     with pytest.raises(RunDirError, match=r"--redo 1/train_step"):
         run.verify_all()
+
+
+def test_a_redo_whose_starting_weights_were_pruned_is_refused_before_anything_is_dropped(run):
+    from redteam_grpo.storage import checkpoints
+    from redteam_grpo.storage.rundir import parse_redo
+    from redteam_grpo.storage.stages import CHECKPOINT, TRAIN_STEP
+
+    for iteration in (0, 1, 2):
+        folder = run.checkpoint_dir(iteration)
+        folder.mkdir(parents=True)
+        (folder / checkpoints.ADAPTER_FILE).write_bytes(b"weights")
+        checkpoints.write_manifest(folder, {})
+        run.record_done(TRAIN_STEP, iteration, [folder / checkpoints.ADAPTER_FILE])
+        run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
+    for pruned in (0, 1):
+        for path in run.checkpoint_dir(pruned).iterdir():
+            path.unlink()
+    before = run.manifest()
+    with pytest.raises(RunDirError, match=r"the earliest redo that can work is --redo 3"):
+        run.check_redo(*parse_redo("2/score"))
+    assert run.manifest() == before
+    run.check_redo(*parse_redo("2/checkpoint"))  # its own weights are intact: resealing is possible
