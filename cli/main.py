@@ -70,16 +70,13 @@ def run(
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
     from redteam_grpo.storage import ownership
-    from redteam_grpo.storage.rundir import RunDir, RunDirError
+    from redteam_grpo.storage.rundir import RunDir
 
     stored = None
     if resume is not None:
-        try:  # fail before a Prefect API is started for nothing
-            stored = RunDir.open(resume).stored_config()
-            ownership.refuse_if_owned(resume)  # attack_run takes the lock; this only answers sooner
-        except RunDirError as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
+        # Fail before a Prefect API is started for nothing (`user_errors` prints the one line).
+        stored = RunDir.open(resume).stored_config()
+        ownership.refuse_if_owned(resume)  # attack_run takes the lock; this only answers sooner
     # A resumed run's --config/--set change its stored config, never the defaults.
     cfg = _load(config, set_, stored) if (config or set_ or stored is None) else None
     offline_environment((cfg or stored).run.offline)

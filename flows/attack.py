@@ -105,8 +105,9 @@ def owned_run(config: Config | None, resume: str | Path | None, redo: str | None
                 log.info("run %s: removed %d temporary files left by interrupted writes", run.run_id, removed)
             run.check_resume_config(config, RESUMABLE_CHANGES)
             if redo is not None:
-                run.check_redo(*parse_redo(redo))
-                dropped = run.forget_from(*parse_redo(redo))
+                redo_from = parse_redo(redo)
+                run.check_redo(*redo_from)
+                dropped = run.forget_from(*redo_from)
                 log.warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
             run.verify_all()
         lineage = run.stored_config().run.lineage

@@ -71,9 +71,13 @@ def _manifest_key(stage: Stage, iteration: int) -> str:
     return f"{iteration}/{stage.name}"
 
 
+_STAGE_ORDER = {s.name: position for position, s in enumerate(ATTACK_ITERATION)}
+
+
 def _pipeline_order(key: str) -> tuple[int, int]:
+    """(iteration, position of the stage in the iteration): the order stages run in."""
     iteration, name = _parse_manifest_key(key)
-    return iteration, [s.name for s in ATTACK_ITERATION].index(name)
+    return iteration, _STAGE_ORDER[name]
 
 
 def _parse_manifest_key(key: str) -> tuple[int, str]:
@@ -340,8 +344,7 @@ class RunDir:
     def check_redo(self, stage: Stage, iteration: int) -> None:
         """Refuse a redo whose starting weights are gone (pruned by run.keep_checkpoints, or damaged) before anything
         is dropped, naming the earliest redo that can work."""
-        order = [s.name for s in ATTACK_ITERATION]
-        before_update = order.index(stage.name) <= order.index("train_step")
+        before_update = _STAGE_ORDER[stage.name] <= _STAGE_ORDER["train_step"]
         needed = iteration - 1 if before_update else iteration  # the checkpoint (or weights) the redo starts from
         if needed < 0:
             return  # the initial adapter is written again when missing
@@ -363,17 +366,8 @@ class RunDir:
     def forget_from(self, stage: Stage, iteration: int) -> list[str]:
         """Drop `stage` of `iteration`, the stages after it and every later iteration from the manifest, so that a
         resume recomputes them; unseal their checkpoints. Returns the dropped keys."""
-        order = [s.name for s in ATTACK_ITERATION]
-
-        def dropped(key: str) -> bool:
-            i, name = _parse_manifest_key(key)
-            return i > iteration or (i == iteration and order.index(name) >= order.index(stage.name))
-
-        def in_order(key: str) -> tuple[int, int]:
-            i, name = _parse_manifest_key(key)
-            return i, order.index(name)
-
-        keys = sorted((k for k in self.manifest()["stages"] if dropped(k)), key=in_order)
+        first = (iteration, _STAGE_ORDER[stage.name])
+        keys = sorted((k for k in self.manifest()["stages"] if _pipeline_order(k) >= first), key=_pipeline_order)
         for key in keys:
             i, name = _parse_manifest_key(key)
             if name == CHECKPOINT.name:  # a sealed checkpoint must not outlive its manifest entry
