@@ -7,7 +7,9 @@ paths to the ordinary `from_pretrained` code paths:
 
 - ``embedded:tiny-qwen3``, the policy (`policy.py`);
 - ``embedded:tiny-toxicity``, the classifier (`classifier.py`);
-- ``embedded:tiny-guard``, a Llama-Guard-3-style judge (`guard.py`), built on first use of its name only.
+- ``embedded:tiny-guard``, a Llama-Guard-3-style judge (`guard.py`), built on first use of its name only;
+- ``embedded:tiny-qwen3-safe``, the base of defense mode, "safety-tuned" in the toy world (`safe_policy.py`,
+  `defense.py`: goals, adversarial prompts, refusals and the bundled defense data), built on first use only.
 
 Two choices keep the reward honest: every marker word is a single token in every tokenizer (`bpe.py`), and the
 classifier and guard learn hard negatives, marker look-alikes that are not markers (`corpus.py`). Without either,
@@ -19,10 +21,12 @@ from redteam_grpo.embedded.cache import (
     EMBEDDED_CLASSIFIER,
     EMBEDDED_GUARD,
     EMBEDDED_POLICY,
+    EMBEDDED_SAFE_POLICY,
     EmbeddedAssets,
     embedded_cache_dir,
     ensure_embedded_assets,
     ensure_embedded_guard,
+    ensure_embedded_safe_policy,
     is_embedded,
     resolve_model_path,
 )
@@ -35,6 +39,7 @@ __all__ = [
     "EMBEDDED_CLASSIFIER",
     "EMBEDDED_GUARD",
     "EMBEDDED_POLICY",
+    "EMBEDDED_SAFE_POLICY",
     "GUARD_VERSION",
     "TOXIC_LABEL",
     "BuildRecipe",
@@ -45,6 +50,7 @@ __all__ = [
     "embedded_cache_dir",
     "ensure_embedded_assets",
     "ensure_embedded_guard",
+    "ensure_embedded_safe_policy",
     "is_embedded",
     "load_corpus",
     "load_prompts",

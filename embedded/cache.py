@@ -2,7 +2,8 @@
 
 Each build writes into a temporary folder and renames it into place under a file lock, so concurrent first uses
 build once and a crash never leaves a half-built cache. The policy and classifier share one folder
-(`ASSETS_VERSION`); the guard has its own (`GUARD_VERSION`), so a run with the classifier never pays for it.
+(`ASSETS_VERSION`); the guard (`GUARD_VERSION`) and the defense base (`SAFE_VERSION`) have their own, so a run
+with the classifier never pays for them.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ from redteam_grpo.embedded.recipes import (
     ASSETS_VERSION,
     DEFAULT_GUARD_RECIPE,
     DEFAULT_RECIPE,
+    DEFAULT_SAFE_RECIPE,
     GUARD_VERSION,
+    SAFE_VERSION,
     BuildRecipe,
     GuardRecipe,
+    SafeRecipe,
 )
+from redteam_grpo.embedded.safe_policy import build_safe_policy
 from redteam_grpo.embedded.training import isolated_build
 
 log = logging.getLogger(__name__)
@@ -39,7 +44,8 @@ log = logging.getLogger(__name__)
 EMBEDDED_POLICY = "embedded:tiny-qwen3"
 EMBEDDED_CLASSIFIER = "embedded:tiny-toxicity"
 EMBEDDED_GUARD = "embedded:tiny-guard"
-_EMBEDDED_NAMES = (EMBEDDED_POLICY, EMBEDDED_CLASSIFIER, EMBEDDED_GUARD)
+EMBEDDED_SAFE_POLICY = "embedded:tiny-qwen3-safe"
+_EMBEDDED_NAMES = (EMBEDDED_POLICY, EMBEDDED_CLASSIFIER, EMBEDDED_GUARD, EMBEDDED_SAFE_POLICY)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,24 @@ def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe 
     return final / "guard"
 
 
+def build_embedded_safe_policy(out_dir: Path, recipe: SafeRecipe = DEFAULT_SAFE_RECIPE) -> Path:
+    """The defense base into `out_dir / "policy"` (no locking: see `ensure_embedded_safe_policy`)."""
+    out_dir = Path(out_dir)
+    with isolated_build():
+        facts = build_safe_policy(out_dir / "policy", recipe)
+    manifest = {"safe_version": SAFE_VERSION, "recipe": dataclasses.asdict(recipe), **facts}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")  # last
+    return out_dir / "policy"
+
+
+def ensure_embedded_safe_policy(cache_dir: Path | None = None, *, recipe: SafeRecipe = DEFAULT_SAFE_RECIPE) -> Path:
+    """The folder of ``embedded:tiny-qwen3-safe``, built into its own cache folder on first use (~1 min)."""
+    root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
+    final = root / cache_dirname(f"embedded-safe-{SAFE_VERSION}", recipe, DEFAULT_SAFE_RECIPE)
+    build_in_cache(final, lambda tmp: build_embedded_safe_policy(tmp, recipe), "the embedded defense base")
+    return final / "policy"
+
+
 def is_embedded(name: str) -> bool:
     return name.startswith("embedded:")
 
@@ -135,5 +159,7 @@ def resolve_model_path(name: str, cache_dir: Path | None = None) -> str:
         raise ValueError(f"unknown embedded model {name!r}; known: {', '.join(_EMBEDDED_NAMES)}")
     if name == EMBEDDED_GUARD:  # built on its own: resolving the policy or classifier never builds the guard
         return str(ensure_embedded_guard(cache_dir))
+    if name == EMBEDDED_SAFE_POLICY:
+        return str(ensure_embedded_safe_policy(cache_dir))
     assets = ensure_embedded_assets(cache_dir)
     return str(assets.policy_dir if name == EMBEDDED_POLICY else assets.classifier_dir)

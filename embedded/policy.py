@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,27 @@ def build_policy_tokenizer(texts: list[str], vocab_size: int) -> Any:
     )
 
 
-def pretrain_policy(tokenizer: Any, recipe: BuildRecipe, rng: random.Random) -> Any:
-    """A tiny Qwen3 pre-trained on chat-formatted toy conversations; loss on the assistant reply only."""
+def pretrain_policy(
+    tokenizer: Any,
+    recipe: Any,
+    rng: random.Random,
+    conversation: Callable[[random.Random], tuple[list[dict[str, str]], str]] | None = None,
+) -> Any:
+    """A tiny Qwen3 pre-trained on chat-formatted toy conversations; loss on the assistant reply only.
+
+    `conversation(rng)` samples one (messages, reply); the default is the red-team policy's toy chat
+    (`sample_conversation`). `recipe` gives the steps, batch size and learning rate (`BuildRecipe`, `SafeRecipe`).
+    """
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    corpus = load_corpus()
-    grammar = ToyGrammar(corpus)
-    prompts = [p["prompt"] for p in load_prompts()]
+    if conversation is None:
+        corpus = load_corpus()
+        grammar = ToyGrammar(corpus)
+        prompts = [p["prompt"] for p in load_prompts()]
+
+        def conversation(rng: random.Random) -> tuple[list[dict[str, str]], str]:
+            return sample_conversation(rng, grammar, prompts, corpus, recipe.marker_prob)
+
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -77,10 +92,7 @@ def pretrain_policy(tokenizer: Any, recipe: BuildRecipe, rng: random.Random) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.policy_lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_schedule(recipe.policy_steps, warmup=30))
     for _ in range(recipe.policy_steps):
-        convs = [
-            sample_conversation(rng, grammar, prompts, corpus, recipe.marker_prob)
-            for _ in range(recipe.policy_batch_size)
-        ]
+        convs = [conversation(rng) for _ in range(recipe.policy_batch_size)]
         prompt_texts = tokenizer.apply_chat_template([m for m, _ in convs], add_generation_prompt=True, tokenize=False)
         prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
         reply_ids = tokenizer([r + IM_END for _, r in convs], add_special_tokens=False)["input_ids"]

@@ -52,3 +52,34 @@ class GuardRecipe:
 
 
 DEFAULT_GUARD_RECIPE = GuardRecipe()
+
+
+SAFE_VERSION = "v1"
+"""The recipe version of ``embedded:tiny-qwen3-safe``, the base of defense mode, built into its own folder."""
+
+
+@dataclass(frozen=True)
+class SafeRecipe:
+    """The safety-tuned toy base of defense mode (`embedded/safe_policy.py`): what its pre-training chats hold."""
+
+    seed: int = 2024
+    policy_vocab_size: int = 1536
+    policy_steps: int = 800
+    """At 400 steps the replies' marker rate did not yet depend on the prompt (measured)."""
+    policy_batch_size: int = 24
+    policy_lr: float = 6e-3
+    adversarial_share: float = 0.4
+    """Share of pre-training chats whose user turn is an adversarial prompt."""
+    prompt_request_share: float = 0.1
+    """Share of chats that ask for a prompt to send to an assistant (the skill an attacker's SFT builds on)."""
+    adversarial_marker_prob: float = 0.5
+    """Per-slot marker probability of a reply to an adversarial prompt (most such replies hold a marker)."""
+    adversarial_refusal: float = 0.3
+    """Share of adversarial prompts the base refuses."""
+    benign_marker_prob: float = 0.03
+    """Per-slot marker probability of a reply to a benign prompt ."""
+    benign_refusal: float = 0.03
+    """Share of benign prompts the base refuses: rare, but not never, so a reward that pays for refusals finds them."""
+
+
+DEFAULT_SAFE_RECIPE = SafeRecipe()
