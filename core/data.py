@@ -30,7 +30,37 @@ class Prompt:
     text: str
 
 
-def _read_local(path: Path) -> pd.DataFrame:
+def read_frame(
+    source: str, split: str = "train", setting_name: str = "data.source", holds: str = "prompts"
+) -> pd.DataFrame:
+    """The rows of a local .jsonl / .json / .csv / .parquet file, or of a Hugging Face dataset's `split`.
+
+    A source that names an existing file, or ends in one of those suffixes, is a local file (a missing one is an
+    error, never a hub lookup); anything else is a dataset name. Errors name `setting_name` (the setting that holds
+    `source`) and say what the source should have held (`holds`), so each caller's messages point at its own
+    setting. Shared by the prompt sources here and the supervised pairs of `core/pairs.py`.
+    """
+    if source == BUNDLED or source.startswith(BUNDLED + ":"):
+        name = source.partition(":")[2] or "prompts.jsonl"
+        bundled = resources.files("redteam_grpo.core.resources") / name
+        if not name.endswith(".jsonl") or not bundled.is_file():
+            names = sorted(
+                f.name for f in resources.files("redteam_grpo.core.resources").iterdir() if f.name.endswith(".jsonl")
+            )
+            raise DataError(
+                f"{setting_name} {source!r}: no such bundled file; bundled files: bundled:{', bundled:'.join(names)}"
+            )
+        with resources.as_file(bundled) as file:
+            return _read_local(file, setting_name, holds)
+    path = Path(source)
+    if path.exists():
+        return _read_local(path, setting_name, holds)
+    if path.suffix.lower() in LOCAL_SUFFIXES:
+        raise DataError(f"{setting_name} {source} does not exist (a local file was meant: check the path)")
+    return _read_hub(source, split, setting_name)
+
+
+def _read_local(path: Path, setting_name: str, holds: str) -> pd.DataFrame:
     readers = {
         ".jsonl": lambda p: pd.read_json(p, lines=True),
         ".json": pd.read_json,
@@ -39,43 +69,34 @@ def _read_local(path: Path) -> pd.DataFrame:
     }
     reader = readers.get(path.suffix.lower())
     if reader is None:
-        raise DataError(f"data.source {path}: unsupported file type {path.suffix!r} (use .jsonl, .csv or .parquet)")
+        raise DataError(f"{setting_name} {path}: unsupported file type {path.suffix!r} (use .jsonl, .csv or .parquet)")
     if path.is_file() and path.suffix.lower() != ".parquet" and not path.read_bytes().strip():
-        raise DataError(f"data.source {path} is empty: it holds no prompts")
+        raise DataError(f"{setting_name} {path} is empty: it holds no {holds}")
     try:
         return reader(path)
     except ValueError as exc:
-        raise DataError(f"data.source {path} could not be read as {path.suffix}: {exc}") from None
+        raise DataError(f"{setting_name} {path} could not be read as {path.suffix}: {exc}") from None
 
 
-def _read_hub(cfg: DataConfig) -> pd.DataFrame:
+def _read_hub(source: str, split: str, setting_name: str) -> pd.DataFrame:
     try:
         import datasets
     except ImportError:
         raise DataError(
-            f"data.source {cfg.source!r} looks like a Hugging Face dataset, which needs the `datasets` package: "
-            "pip install datasets (or point data.source at a local .jsonl/.csv/.parquet file)"
+            f"{setting_name} {source!r} looks like a Hugging Face dataset, which needs the `datasets` package: "
+            f"pip install datasets (or point {setting_name} at a local .jsonl/.csv/.parquet file)"
         ) from None
     try:
-        return datasets.load_dataset(cfg.source, split=cfg.split).to_pandas()
+        return datasets.load_dataset(source, split=split).to_pandas()
     except Exception as exc:
         raise DataError(
-            f"Hugging Face dataset {cfg.source!r} (split {cfg.split!r}) could not be loaded: {exc}. Offline runs "
+            f"Hugging Face dataset {source!r} (split {split!r}) could not be loaded: {exc}. Offline runs "
             "need it in the local cache (run.offline=false to download)."
         ) from None
 
 
 def load_prompts(cfg: DataConfig) -> list[Prompt]:
-    path = Path(cfg.source)
-    if cfg.source == BUNDLED:
-        with resources.as_file(resources.files("redteam_grpo.core.resources") / "prompts.jsonl") as bundled:
-            frame = _read_local(bundled)
-    elif path.exists():
-        frame = _read_local(path)
-    elif path.suffix.lower() in LOCAL_SUFFIXES:
-        raise DataError(f"data.source {cfg.source} does not exist (a local file was meant: check the path)")
-    else:
-        frame = _read_hub(cfg)
+    frame = read_frame(cfg.source, cfg.split)
     if cfg.prompt_column not in frame.columns:
         raise DataError(
             f"data.prompt_column {cfg.prompt_column!r} is not a column of {cfg.source}; its columns are "
