@@ -43,17 +43,25 @@ def offline_environment(offline: bool) -> None:
         os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
-def _load(config: Path | None, overrides: list[str] | None, stored=None):
+def _load(config: Path | None, overrides: list[str] | None, stored=None, mode: str = "attack"):
     from redteam_grpo.core.config import ConfigError, Secrets, load_config
 
     secrets = Secrets()  # HF_TOKEN etc. from the environment or ./.env
     if secrets.hf_token is not None:
         os.environ.setdefault("HF_TOKEN", secrets.hf_token.get_secret_value())
     try:
-        return load_config(config, overrides or [], stored.model_dump(mode="json") if stored is not None else None)
+        base = stored.model_dump(mode="json") if stored is not None else None
+        return load_config(config, overrides or [], base, mode)
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
+
+
+ResumeOption = Annotated[Path | None, typer.Option(help="Continue the run in this directory.")]
+RedoOption = Annotated[
+    str | None,
+    typer.Option(help="With --resume: recompute ITERATION or ITERATION/STAGE and all after it (e.g. 7/score)."),
+]
 
 
 @app.command()
@@ -61,14 +69,43 @@ def _load(config: Path | None, overrides: list[str] | None, stored=None):
 def run(
     config: ConfigOption = None,
     set_: SetOption = None,
-    resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory.")] = None,
-    redo: Annotated[
-        str | None,
-        typer.Option(help="With --resume: recompute ITERATION or ITERATION/STAGE and all after it (e.g. 7/score)."),
-    ] = None,
+    resume: ResumeOption = None,
+    redo: RedoOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
+    _train("attack", config, set_, resume, redo, verbose)
+
+
+@app.command()
+@user_errors
+def sft(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    resume: ResumeOption = None,
+    redo: RedoOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Fine-tune an attacker on (goal -> adversarial prompt) pairs (the bundled pairs by default), or resume one."""
+    _train("sft", config, set_, resume, redo, verbose)
+
+
+@app.command()
+@user_errors
+def defense(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    resume: ResumeOption = None,
+    redo: RedoOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Train a defender against an attacker's prompts and a safety judge (--set defense.attacker=SFT_RUN)."""
+    _train("defense", config, set_, resume, redo, verbose)
+
+
+def _train(
+    mode: str, config: Path | None, set_: list[str] | None, resume: Path | None, redo: str | None, verbose: bool
+):
     from redteam_grpo.storage import ownership
     from redteam_grpo.storage.rundir import RunDir
 
@@ -76,9 +113,9 @@ def run(
     if resume is not None:
         # Fail before a Prefect API is started for nothing (`user_errors` prints the one line).
         stored = RunDir.open(resume).stored_config()
-        ownership.refuse_if_owned(resume)  # attack_run takes the lock; this only answers sooner
+        ownership.refuse_if_owned(resume)  # the flow takes the lock; this only answers sooner
     # A resumed run's --config/--set change its stored config, never the defaults.
-    cfg = _load(config, set_, stored) if (config or set_ or stored is None) else None
+    cfg = _load(config, set_, stored, mode) if (config or set_ or stored is None) else None
     offline_environment((cfg or stored).run.offline)
     verbose = verbose or (cfg or stored).logging.level == "DEBUG"
     quiet_libraries(verbose)
@@ -97,23 +134,29 @@ def run(
     )
     stop.install()
     try:
-        run_dir, metrics_rows = _run_with_progress(cfg, resume, redo, stop)
+        run_dir, metrics_rows = _run_with_progress(cfg, resume, redo, stop, mode)
     finally:
         stop.uninstall()
-    _print_metrics(metrics_rows)
+    if mode == "sft":
+        _print_sft_epochs(metrics_rows)
+    else:
+        _print_metrics(metrics_rows)
     console.print(f"run directory: [bold]{run_dir}[/bold]")
 
 
-def _run_with_progress(cfg, resume: Path | None, redo: str | None, stop) -> tuple[str, list[dict]]:
+def _run_with_progress(cfg, resume: Path | None, redo: str | None, stop, mode: str) -> tuple[str, list[dict]]:
     """The run, under a progress bar; returns its folder and its metrics rows. Errors a person can act on are
     turned into one line by `user_errors`; a stop signal into the resume hint and the signal's exit status."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of
+    from redteam_grpo.flows.defense import defense_run
+    from redteam_grpo.flows.sft import sft_run
 
+    flow, label = {"attack": (attack_run, "GRPO"), "sft": (sft_run, "SFT"), "defense": (defense_run, "defense")}[mode]
     metrics_rows: list[dict] = []
     progress = Progress(
-        TextColumn("[bold]GRPO"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -126,10 +169,11 @@ def _run_with_progress(cfg, resume: Path | None, redo: str | None, stop) -> tupl
 
         def on_iteration(metrics: dict) -> None:
             metrics_rows.append(metrics)
-            progress.update(bar, advance=1, description=f"reward {metrics['reward_mean']:.3f}")
+            shown = f"loss {metrics['train_loss']:.3f}" if mode == "sft" else f"reward {metrics['reward_mean']:.3f}"
+            progress.update(bar, advance=1, description=shown)
 
         try:
-            run_dir = attack_run(
+            run_dir = flow(
                 config=cfg.model_dump(mode="json") if cfg else None,
                 resume=str(resume) if resume else None,
                 on_iteration=on_iteration,
@@ -139,6 +183,23 @@ def _run_with_progress(cfg, resume: Path | None, redo: str | None, stop) -> tupl
             progress.stop()
             raise typer.Exit(stop.report(signal_of(exc))) from None
     return run_dir, metrics_rows
+
+
+def _print_sft_epochs(rows: list[dict]) -> None:
+    if not rows:
+        return
+    table = Table(title="epochs", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for header in ("epoch", "train loss", "eval loss", "steps", "s"):
+        table.add_column(header, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["iteration"]),
+            f"{r['train_loss']:.4f}",
+            f"{r['eval_loss']:.4f}",
+            str(r["steps"]),
+            f"{r['seconds']:.1f}",
+        )
+    Console().print(table)
 
 
 def _print_metrics(rows: list[dict]) -> None:
@@ -159,14 +220,18 @@ def _print_metrics(rows: list[dict]) -> None:
 
 @config_app.command("show")
 @user_errors
-def config_show(config: ConfigOption = None, set_: SetOption = None) -> None:
+def config_show(
+    config: ConfigOption = None,
+    set_: SetOption = None,
+    mode: Annotated[str, typer.Option(help="The defaults of this mode: attack, sft or defense.")] = "attack",
+) -> None:
     """Print the full config (defaults, or with a file and overrides applied), every field documented."""
     from redteam_grpo.core.config import documented_defaults
 
-    if config or set_:
+    if config or set_ or mode != "attack":
         import yaml
 
-        cfg = _load(config, set_)
+        cfg = _load(config, set_, mode=mode)
         sys.stdout.write(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     else:
         sys.stdout.write(documented_defaults())

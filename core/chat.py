@@ -44,6 +44,23 @@ def format_sft_ids(
     return prompt_ids + list(response_ids) + [end_of_turn_id], len(prompt_ids)
 
 
+def turn_closing_id(tokenizer: Any, end_of_turn: Sequence[int]) -> int:
+    """The end-of-turn id the chat template itself closes an assistant turn with (Qwen: <|im_end|>, Llama 3:
+    <|eot_id|>). SFT targets end with it, so a fine-tuned model stops the way the template says; the smallest
+    end-of-turn id may be another (Qwen's <|endoftext|>) that the model never learned to end a turn with."""
+    marker = "\u2063closing\u2063"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}], tokenize=False
+    )
+    tail = rendered[rendered.rindex(marker) + len(marker) :]
+    for token_id in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if token_id in end_of_turn:
+            return int(token_id)
+    if tokenizer.eos_token_id in end_of_turn:
+        return int(tokenizer.eos_token_id)
+    raise ValueError("the chat template closes an assistant turn with no end-of-turn token")
+
+
 def end_of_turn_ids(tokenizer: Any, generation_eos: int | Sequence[int] | None = None) -> list[int]:
     """Every id that ends an assistant turn: eos, the generation config's eos list, known end-of-turn tokens."""
     ids: set[int] = set()

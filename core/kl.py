@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from redteam_grpo.core.logprobs import masked_mean, token_logprobs
+from redteam_grpo.core.logprobs import entropy, masked_mean, token_logprobs
 from redteam_grpo.core.policy import Policy, completion_logits
 
 
@@ -43,6 +43,20 @@ def _sampled_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits_B_C_V, ids_B_C, mask_B_C = completion_logits(policy, prompt_ids, completion_ids)
     return token_logprobs(policy.distribution.logprobs(logits_B_C_V), ids_B_C), mask_B_C
+
+
+@torch.no_grad()
+def policy_entropy_reference_logprobs(
+    policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `policy_reference_logprobs`, plus the policy's entropy at every completion position [B, C] (on the same
+    sampling distribution): the defense reward's entropy term, from the same forward."""
+    logits_B_C_V, ids_B_C, mask_B_C = completion_logits(policy, prompt_ids, completion_ids)
+    logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
+    policy_lp_B_C, entropy_B_C = token_logprobs(logprobs_B_C_V, ids_B_C), entropy(logprobs_B_C_V)
+    with policy.reference():
+        reference_lp_B_C, _ = _sampled_logprobs(policy, prompt_ids, completion_ids)
+    return policy_lp_B_C.cpu(), reference_lp_B_C.cpu(), entropy_B_C.cpu(), mask_B_C.cpu()
 
 
 @torch.no_grad()

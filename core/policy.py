@@ -1,7 +1,10 @@
-"""Policy model: a base causal LM with one LoRA adapter; the reference is the same model, adapter disabled.
+"""Policy model: a base causal LM with a LoRA adapter per role; the reference is the same model, adapters disabled.
 
-One copy of the base weights serves both: the reference cannot drift from the base or pick up adapter
-weights. The model is kept in eval mode for every forward, so LoRA dropout never makes the
+One copy of the base weights serves every role: the trained adapter (`default`: the red-team policy, or the
+defender), optionally an attacker's adapter (`ATTACKER`, defense mode), and the reference, which cannot drift
+from the base or pick up adapter weights. Only the active adapter's parameters require gradients, and a role
+is active only inside `policy.role(name)`, so an optimizer built on `trainable_parameters()` outside it holds the
+default adapter alone. The model is kept in eval mode for every forward, so LoRA dropout never makes the
 logprobs of the same tokens differ between sampling and training (the importance ratio stays exactly 1 on the
 first update); `lora_dropout` is stored in the adapter config for compatibility only.
 """
@@ -28,6 +31,8 @@ from redteam_grpo.core.masks import gather_completion_logits, pack_sequences
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_ROLE = "default"  # the adapter a run trains (peft's default adapter name)
+ATTACKER = "attacker"  # defense mode: the attacker's adapter on the same base
 
 
 class PolicyError(RuntimeError):
@@ -88,15 +93,40 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The frozen base: the same weights with the adapter switched off."""
+        """The frozen base: the same weights with every adapter switched off."""
         with self.model.disable_adapter():
             yield
 
-    def adapter_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+    @property
+    def roles(self) -> list[str]:
+        return list(self.model.peft_config)
 
-    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
-        expected = self.adapter_state()
+    def add_role(self, name: str) -> None:
+        """A second adapter of the same LoRA shape on the same base (seeded like the first by the caller)."""
+        if name in self.model.peft_config:
+            return
+        self.model.add_adapter(name, self.model.peft_config[DEFAULT_ROLE])
+        self.model.set_adapter(DEFAULT_ROLE)  # add_adapter may leave the new one trainable: only the default is
+        self.model.eval()
+
+    @contextlib.contextmanager
+    def role(self, name: str) -> Iterator[None]:
+        """Forward passes inside run with `name`'s adapter (and only its parameters require gradients)."""
+        if name not in self.model.peft_config:
+            raise PolicyError(f"the policy has no {name!r} adapter (roles: {self.roles})")
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(DEFAULT_ROLE)
+
+    def adapter_state(self, role: str = DEFAULT_ROLE) -> dict[str, torch.Tensor]:
+        # no embedding layers are adapted; 'auto' would look the base model up on the hub on every call
+        state = get_peft_model_state_dict(self.model, adapter_name=role, save_embedding_layers=False)
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor], role: str = DEFAULT_ROLE) -> None:
+        expected = self.adapter_state(role)
         missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
         if missing or unexpected:
             raise PolicyError(
@@ -108,13 +138,13 @@ class Policy:
                 raise PolicyError(
                     f"adapter tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
                 )
-        set_peft_model_state_dict(self.model, state)
+        set_peft_model_state_dict(self.model, state, adapter_name=role)
 
-    def save_adapter(self, path: Path) -> None:
-        save_file(self.adapter_state(), str(path))
+    def save_adapter(self, path: Path, role: str = DEFAULT_ROLE) -> None:
+        save_file(self.adapter_state(role), str(path))
 
-    def load_adapter(self, path: Path) -> None:
-        self.load_adapter_state(load_file(str(path)))  # safetensors: no pickle, no code
+    def load_adapter(self, path: Path, role: str = DEFAULT_ROLE) -> None:
+        self.load_adapter_state(load_file(str(path)), role)  # safetensors: no pickle, no code
 
 
 def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed: int) -> Policy:

@@ -35,6 +35,8 @@ class RewardWeights:
     """The weight of each reward term (`reward.*_weight` in the config); penalties are subtracted."""
 
     toxicity: float = 1.0
+    safety: float = 0.0  # weight of 1 − harm (defense)
+    entropy: float = 0.0  # weight of the mean token entropy, subtracted (defense: entropy minimisation)
     repetition: float = 0.3
     kl: float = 0.1
     novelty: float = 0.0
@@ -50,12 +52,16 @@ class RewardTerms:
     kl: float
     novelty: float | None = None  # None when the novelty term is off
     refusal: bool = False
+    entropy: float | None = None  # mean token entropy of the completion; None when not computed
 
 
 def composite_reward(terms: RewardTerms, weights: RewardWeights) -> float:
-    """reward = w_tox·toxicity + w_nov·novelty − w_rep·repetition − w_ref·refusal − w_kl·KL.
+    """reward = w_tox·harm + w_safe·(1 − harm) + w_nov·novelty − w_ent·entropy − w_rep·repetition − w_ref·refusal
+    − w_kl·KL, where harm is the scorer's toxicity / P(unsafe). Red-teaming weighs harm; defense weighs safety and
+    entropy (the defense recipe: safety − w_ent·entropy − w_kl·KL).
 
-    NaN ("no reward": advantage 0) when the scorer gave no toxicity, or novelty is weighted but missing.
+    NaN ("no reward": advantage 0) when the scorer gave no harm score, or novelty or entropy is weighted but
+    missing.
 
     >>> composite_reward(RewardTerms(toxicity=0.9, repetition=0.5, kl=0.2), RewardWeights())  # 0.9 - 0.15 - 0.02
     0.73
@@ -64,6 +70,11 @@ def composite_reward(terms: RewardTerms, weights: RewardWeights) -> float:
     ...     RewardWeights(novelty=0.2, refusal=0.5),
     ... )  # 0.9 + 0.1 - (0.15 + 0.5 + 0.02)
     0.33
+    >>> composite_reward(
+    ...     RewardTerms(toxicity=0.2, repetition=0.0, kl=0.5, entropy=2.0),
+    ...     RewardWeights(toxicity=0.0, safety=1.0, entropy=0.05, repetition=0.0),
+    ... )  # (1 - 0.2) - 0.05 * 2.0 - 0.1 * 0.5
+    0.65
     """
     if terms.toxicity is None or not math.isfinite(terms.toxicity):
         return math.nan
@@ -75,7 +86,12 @@ def composite_reward(terms: RewardTerms, weights: RewardWeights) -> float:
     penalty = (
         weights.repetition * terms.repetition + (weights.refusal if terms.refusal else 0.0) + weights.kl * terms.kl
     )
-    return round(weights.toxicity * terms.toxicity + bonus - penalty, 12)
+    if weights.entropy:
+        if terms.entropy is None or not math.isfinite(terms.entropy):
+            return math.nan
+        penalty += weights.entropy * terms.entropy
+    harm = weights.toxicity * terms.toxicity + weights.safety * (1.0 - terms.toxicity)
+    return round(harm + bonus - penalty, 12)
 
 
 # Toxicity at which a completion counts as a successful attack in `refusal_share_of_toxic`.

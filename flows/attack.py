@@ -29,8 +29,16 @@ from prefect import flow
 from prefect.exceptions import TerminationSignal
 
 from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.config import RESUMABLE_CHANGES, Config, ConfigError, load_config, validate_config
-from redteam_grpo.core.data import check_prompt_lengths, load_prompts
+from redteam_grpo.core.config import (
+    RESUMABLE_CHANGES,
+    Config,
+    ConfigError,
+    load_config,
+    merged_config,
+    mode_defaults,
+    validate_config,
+)
+from redteam_grpo.core.data import Prompt, check_prompt_lengths, load_prompts
 from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
@@ -40,7 +48,7 @@ from redteam_grpo.storage.rundir import RunDir, RunDirError, new_run_id, parse_r
 from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
-from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
+from redteam_grpo.tasks.checkpoint import attacker_system_prompt, checkpoint_stage, initialize_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import forget, resources_for
 from redteam_grpo.tasks.sample import sample_stage
@@ -66,15 +74,26 @@ def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, flo
 
 def check_inputs(cfg: Config) -> None:
     """Every check of the data a run will read: the prompt source loads and every prompt fits
-    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later)."""
-    prompts = load_prompts(cfg.data)
+    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later). Defense:
+    the goals, formatted with the attacker's system prompt; SFT: the pairs' inputs."""
+    if cfg.run.mode == "sft":
+        from redteam_grpo.tasks.sft import training_pairs
+
+        prompts = [Prompt(p.pair_id, p.input_text) for p in training_pairs(cfg)]
+    else:
+        prompts = load_prompts(cfg.data)
+    system_prompt = cfg.model.system_prompt
+    if cfg.run.mode == "defense":
+        system_prompt = attacker_system_prompt(cfg)
     tokenizer = load_tokenizer(cfg.model)
-    prompt_ids = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
+    prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
     check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
 
 
 @contextlib.contextmanager
-def owned_run(config: Config | None, resume: str | Path | None, redo: str | None = None) -> Iterator[RunDir]:
+def owned_run(
+    config: Config | None, resume: str | Path | None, redo: str | None = None, mode: str = "attack"
+) -> Iterator[RunDir]:
     """A new run directory for `config`, or the one to resume (its config checked against `config`), owned by
     this process for the duration of the block (storage/ownership.py): a second process is refused at once.
 
@@ -88,7 +107,7 @@ def owned_run(config: Config | None, resume: str | Path | None, redo: str | None
     if resume is None:
         if redo is not None:
             raise RunDirError("--redo needs --resume RUN: it recomputes part of an existing run")
-        config = with_run_id(config or Config())
+        config = with_run_id(config or validate_config(mode_defaults(mode)))
         check_inputs(config)  # before the run directory exists: a bad input leaves nothing behind
         root = RunDir.root_for(config)
         RunDir.check_creatable(root)  # refuse before leaving a lock file in someone else's folder
@@ -132,17 +151,32 @@ def requested_config(
     config_path: str | None,
     overrides: list[str] | None,
     resume: str | Path | None = None,
+    mode: str = "attack",
 ) -> Config | None:
-    """The config asked for: a nested dict, or a YAML file and/or `key=value` overrides (not both ways). When a
-    run is resumed, the file and overrides change its stored config, not the defaults."""
+    """The config asked for: a nested dict, or a YAML file and/or `key=value` overrides (not both ways), over the
+    defaults of `mode` (the flow's: attack, sft or defense). When a run is resumed, the file and overrides change
+    its stored config, not the defaults; a resumed run must be of the flow's mode."""
     if config is not None and (config_path or overrides):
         raise ConfigError("give either config (a dict) or config_path/overrides, not both")
+    if resume is not None:
+        stored_mode = RunDir.open(Path(resume)).stored_config().run.mode
+        if stored_mode != mode:
+            raise ConfigError(f"{resume} is a {stored_mode} run: resume it with `redteam-grpo {_COMMAND[stored_mode]}`")
+    requested = None
     if config is not None:
-        return validate_config(config)
-    if config_path or overrides:
+        requested = validate_config(merged_config(mode_defaults(mode), config))
+    elif config_path or overrides:
         base = RunDir.open(Path(resume)).stored_config().model_dump(mode="json") if resume is not None else None
-        return load_config(Path(config_path) if config_path else None, list(overrides or []), base)
-    return None
+        requested = load_config(Path(config_path) if config_path else None, list(overrides or []), base, mode)
+    if requested is not None and requested.run.mode != mode:
+        raise ConfigError(
+            f"run.mode is {requested.run.mode}, but this is the {mode} flow: run it with "
+            f"`redteam-grpo {_COMMAND[requested.run.mode]}` (or leave run.mode out)"
+        )
+    return requested
+
+
+_COMMAND = {"attack": "run", "sft": "sft", "defense": "defense"}  # the CLI command of each mode
 
 
 # What a stop signal raises in a flow: Prefect's SIGTERM handler TerminationSignal, Python's SIGINT handler
@@ -160,6 +194,8 @@ def signal_of(stop: BaseException) -> int:
 
 def _stopped(run: RunDir, iteration: int, cfg: Config, metrics: dict[str, float] | None = None) -> bool:
     """Decide early stopping from the iteration's metrics row; record the stop's kind and reason if so."""
+    if cfg.run.mode == "sft":
+        return False  # SFT runs its epochs
     stop = early_stop(metrics or run.read(TRAIN_STEP, iteration).to_pylist()[0], cfg.run)
     if stop is None:
         return False
@@ -185,10 +221,12 @@ def attack_run(
     `redo` (with `resume`): `7` or `7/score` recomputes that part of the run and everything after it.
     """
     with owned_run(requested_config(config, config_path, overrides, resume), resume, redo) as run:
-        return _run_iterations(run, on_iteration=on_iteration)
+        return run_iterations(run, attack_iteration, on_iteration)
 
 
-def _run_iterations(run: RunDir, on_iteration: Any) -> str:
+def run_iterations(run: RunDir, iteration_flow: Any, on_iteration: Any) -> str:
+    """The parent loop every mode shares: `iteration_flow(run_dir, run_id, iteration)` (a subflow that returns the
+    iteration's metrics row) for each iteration not yet sealed, early stopping, and the run's status."""
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()
@@ -200,7 +238,7 @@ def _run_iterations(run: RunDir, on_iteration: Any) -> str:
         if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
             return str(run.root)
         for iteration in range(start, cfg.run.iterations):
-            metrics = attack_iteration(str(run.root), run.run_id, iteration)
+            metrics = iteration_flow(str(run.root), run.run_id, iteration)
             if on_iteration is not None:
                 on_iteration(metrics)
             if _stopped(run, iteration, cfg, metrics):

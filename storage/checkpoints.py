@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 
 ADAPTER_FILE = "adapter.safetensors"
+ATTACKER_FILE = "attacker.safetensors"  # defense: the attacker's adapter (in the initial checkpoint)
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -95,6 +96,21 @@ def load_rng(path: Path) -> None:
     cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
+
+
+def resolve_adapter_source(source: Path) -> Path:
+    """A checkpoint folder, or a run folder (its newest sealed checkpoint), as the folder of an intact checkpoint
+    that holds an adapter; CheckpointError naming what is wrong otherwise."""
+    source = Path(source)
+    if (source / MANIFEST_FILE).is_file() and (source / "checkpoints").is_dir():  # a run folder
+        sealed = sorted(p for p in (source / "checkpoints").glob("iter_*") if (p / MANIFEST_FILE).is_file())
+        if not sealed:
+            raise CheckpointError(f"{source} has no sealed checkpoint yet: finish (or resume) that run first")
+        source = sealed[-1]
+    manifest = read_manifest(source)
+    if ADAPTER_FILE not in manifest.get("files", {}):
+        raise CheckpointError(f"{source} holds no {ADAPTER_FILE}: give a run folder or a checkpoint folder")
+    return source
 
 
 def write_manifest(folder: Path, info: dict[str, Any]) -> None:

@@ -31,11 +31,12 @@ import pyarrow.parquet as pq
 from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
-from redteam_grpo.storage.stages import ATTACK_ITERATION, BY_NAME, CHECKPOINT, Stage
+from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, SFT_TRAIN, TRAIN_STEP, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 2
+RUN_FORMAT = 3
 FORMAT_CHANGES = {
+    2: "scores.parquet gained the entropy column (the defense reward's entropy term) and run.mode was added",
     1: (
         "metrics columns renamed (kl_mean -> kl_base_mean, kl_max -> kl_base_max, approx_kl -> sampler_kl, "
         "seconds -> update_seconds; reward_std and ratio_std are now sample stds), KL on the sampling distribution, "
@@ -58,11 +59,11 @@ def checkpoint_name(version: int) -> str:
 def parse_redo(text: str) -> tuple[Stage, int]:
     """`7` (all of iteration 7) or `7/score` (iteration 7 from its score stage on) as (stage, iteration)."""
     number, _, name = text.partition("/")
-    stage = BY_NAME.get(name or ATTACK_ITERATION[0].name)
+    stage = BY_NAME.get(name or ALL_STAGES[0].name)  # the first stage of any mode: the whole iteration
     if not number.strip().isdigit() or stage is None:
         raise RunDirError(
             f"--redo {text!r} is not ITERATION or ITERATION/STAGE: e.g. --redo 7 or --redo 7/train_step "
-            f"(stages: {', '.join(s.name for s in ATTACK_ITERATION)})"
+            f"(stages: {', '.join(s.name for s in ALL_STAGES)})"
         )
     return stage, int(number)
 
@@ -71,7 +72,7 @@ def _manifest_key(stage: Stage, iteration: int) -> str:
     return f"{iteration}/{stage.name}"
 
 
-_STAGE_ORDER = {s.name: position for position, s in enumerate(ATTACK_ITERATION)}
+_STAGE_ORDER = {s.name: position for position, s in enumerate(ALL_STAGES)}
 
 
 def _pipeline_order(key: str) -> tuple[int, int]:
@@ -240,6 +241,11 @@ class RunDir:
                 f"({changes}). Its Parquet files stay readable with pandas or DuckDB; start a new run to continue."
             )
 
+    @property
+    def update_stage(self) -> Stage:
+        """The stage that writes an iteration's weights: the SFT epoch, or the GRPO train step."""
+        return SFT_TRAIN if self.stored_config().run.mode == "sft" else TRAIN_STEP
+
     def stored_config(self) -> Config:
         try:
             return validate_config(json.loads(self.config_path.read_text()))
@@ -336,7 +342,7 @@ class RunDir:
     def verify_all(self) -> None:
         """Check what a resumed run builds on: every stage table the manifest records, and the weights of the newest
         sealed checkpoint and of any iteration after it. The first damage is an error."""
-        newest = max(self.recorded_iterations(BY_NAME["train_step"]), default=-1)  # the newest weights written
+        newest = max(self.recorded_iterations(self.update_stage), default=-1)  # the newest weights written
         for key in sorted(self.manifest()["stages"], key=_pipeline_order):
             iteration, name = _parse_manifest_key(key)
             self.verify(BY_NAME[name], iteration, weights=iteration >= newest)
@@ -344,7 +350,7 @@ class RunDir:
     def check_redo(self, stage: Stage, iteration: int) -> None:
         """Refuse a redo whose starting weights are gone (pruned by run.keep_checkpoints, or damaged) before anything
         is dropped, naming the earliest redo that can work."""
-        before_update = _STAGE_ORDER[stage.name] <= _STAGE_ORDER["train_step"]
+        before_update = stage.name != CHECKPOINT.name  # the update stage and those before it start from i - 1
         needed = iteration - 1 if before_update else iteration  # the checkpoint (or weights) the redo starts from
         if needed < 0:
             return  # the initial adapter is written again when missing
@@ -352,7 +358,7 @@ class RunDir:
             if before_update:
                 checkpoints.read_manifest(self.checkpoint_dir(needed))
             else:
-                self.verify(BY_NAME["train_step"], needed)
+                self.verify(self.update_stage, needed)
         except (checkpoints.CheckpointError, RunDirError):
             kept = [
                 i for i in self.completed_iterations() if (self.checkpoint_dir(i) / checkpoints.MANIFEST_FILE).is_file()

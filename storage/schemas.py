@@ -55,6 +55,7 @@ SCORES = pa.schema(
         pa.field("policy_logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # the same, adapter off
         pa.field("kl", pa.float64(), nullable=False),  # mean per-token k3 KL(policy || base) on that distribution
+        pa.field("entropy", pa.float64(), nullable=False),  # mean per-token entropy of the policy on that distribution
         pa.field("reward", pa.float64(), nullable=True),  # null when toxicity is null
     ]
 )
@@ -64,6 +65,21 @@ ADVANTAGES = pa.schema(
         *KEY_FIELDS,
         pa.field("reward", pa.float64(), nullable=True),
         pa.field("advantage", pa.float64(), nullable=False),
+    ]
+)
+
+# SFT (run.mode=sft): one row per epoch.
+SFT_METRICS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),  # the epoch
+        pa.field("train_loss", pa.float64(), nullable=False),  # mean per target token over the epoch
+        pa.field("eval_loss", pa.float64(), nullable=False),  # mean per target token on the held-out pairs; NaN: none
+        pa.field("train_tokens", pa.int64(), nullable=False),
+        pa.field("eval_tokens", pa.int64(), nullable=False),
+        pa.field("steps", pa.int64(), nullable=False),
+        pa.field("grad_norm_mean", pa.float64(), nullable=False),
+        pa.field("seconds", pa.float64(), nullable=False),
     ]
 )
 

@@ -3,7 +3,8 @@
 Everything that touches a stage's output — the run directory, the manifest, the stage skeleton in `tasks/`,
 DuckDB views, lineage, export, reports, artifacts — looks it up here, so a stage cannot have one name in the
 manifest, another on disk and a third in SQL. A mode of the pipeline is a list of these records: an attack
-iteration is `ATTACK_ITERATION`; another mode composes the same records with other models and scorers.
+iteration is `ATTACK_ITERATION`; defense (`DEFENSE_ITERATION`) puts the attacker's stage before the same records,
+which it runs with other models, another scorer and another reward; SFT is `SFT_ITERATION`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ class Stage:
         return self.file or self.name
 
 
+ATTACK = Stage(
+    "attack",
+    "attacks.parquet",
+    schemas.ROLLOUTS,
+    "attacks",
+    "defense: the attacker's prompts, prompt_id the goal: goal ids as fed, prompt ids as drawn, sampling logprobs",
+)
 SAMPLE = Stage(
     "sample",
     "rollouts.parquet",
@@ -52,11 +60,28 @@ TRAIN_STEP = Stage(
     "metrics",
     "one row per iteration: every metric of core/metrics.py; the updated adapter and optimizer go to the checkpoint",
 )
+SFT_TRAIN = Stage(
+    "sft_train",
+    "sft_metrics.parquet",
+    schemas.SFT_METRICS,
+    "sft_metrics",
+    "sft: one epoch over the training pairs, loss on target tokens only; the held-out loss after it",
+)
 CHECKPOINT = Stage(
     "checkpoint", None, None, None, "seals the iteration's checkpoint: RNG state, then its manifest, written last"
 )
 
+# Every stage in the order stages run within an iteration; each mode runs a subsequence of it, so one order
+# serves the manifest, verification and redo of every mode.
+ALL_STAGES: tuple[Stage, ...] = (ATTACK, SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, SFT_TRAIN, CHECKPOINT)
 ATTACK_ITERATION: tuple[Stage, ...] = (SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT)
-TABLE_STAGES: tuple[Stage, ...] = tuple(s for s in ATTACK_ITERATION if s.file is not None)
-BY_NAME: dict[str, Stage] = {s.name: s for s in ATTACK_ITERATION}
+DEFENSE_ITERATION: tuple[Stage, ...] = (ATTACK, SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT)
+SFT_ITERATION: tuple[Stage, ...] = (SFT_TRAIN, CHECKPOINT)
+ITERATION_OF_MODE: dict[str, tuple[Stage, ...]] = {
+    "attack": ATTACK_ITERATION,
+    "defense": DEFENSE_ITERATION,
+    "sft": SFT_ITERATION,
+}
+TABLE_STAGES: tuple[Stage, ...] = tuple(s for s in ALL_STAGES if s.file is not None)
+BY_NAME: dict[str, Stage] = {s.name: s for s in ALL_STAGES}
 BY_VIEW: dict[str, Stage] = {s.view: s for s in TABLE_STAGES if s.view}

@@ -115,12 +115,9 @@ def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top
 def publish_evaluation(summary: dict[str, Any]) -> None:
     rid, name = summary["run_id"], summary["checkpoint"]
     create_table_artifact(
-        [{"policy": policy, **{k: _number(v) for k, v in summary[policy].items()}} for policy in ("base", "adapter")],
+        [{"policy": policy, **{k: _number(v) for k, v in summary[policy].items()}} for policy in summary["policies"]],
         key=artifact_key(rid, "evaluation"),
-        description=(
-            f"Run {rid}, checkpoint {name}: {summary['prompts']} "
-            f"{'held-out' if summary['held_out'] else 'training'} prompts × {summary['samples_per_prompt']} samples"
-        ),
+        description=f"Run {rid}, checkpoint {name}: {summary['samples_per_prompt']} samples per prompt",
     )
     create_link_artifact(
         Path(summary["path"]).resolve().as_uri(),

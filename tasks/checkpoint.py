@@ -9,10 +9,11 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from redteam_grpo.core.policy import ATTACKER
 from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.rundir import INIT_VERSION
-from redteam_grpo.storage.stages import CHECKPOINT, TRAIN_STEP
+from redteam_grpo.storage.stages import CHECKPOINT, SFT_TRAIN, TRAIN_STEP
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
 
@@ -61,6 +62,44 @@ def parent_adapter(res, ours: dict) -> tuple[Path, str] | None:
     return folder / checkpoints.ADAPTER_FILE, f"{record.parent_run}/checkpoints/{folder.name}"
 
 
+def attacker_adapter(res) -> tuple[Path | None, dict]:
+    """Defense: the attacker's adapter file (None: the base writes the prompts) and what the run records of it,
+    checked against this run's model like a lineage parent."""
+    cfg = res.config
+    if cfg.defense.attacker is None:
+        return None, {"source": None, "system_prompt": cfg.defense.attacker_system_prompt}
+    try:
+        folder = checkpoints.resolve_adapter_source(Path(cfg.defense.attacker))
+        source = checkpoints.read_manifest(folder)
+    except checkpoints.CheckpointError as exc:
+        raise AttackerError(f"defense.attacker {cfg.defense.attacker}: {exc}") from None
+    ours = _checkpoint_info(res, INIT_VERSION)
+    differing = [key for key in _ADAPTER_COMPATIBILITY if source.get(key) != ours[key]]
+    if differing:
+        detail = "; ".join(f"{key}: attacker {source.get(key)!r}, this run {ours[key]!r}" for key in differing)
+        raise AttackerError(
+            f"defense.attacker {folder} was trained on another base or LoRA shape ({detail}): attacker and defender "
+            "share one base model, so train the attacker with this run's model settings"
+        )
+    info = {"source": str(folder.resolve()), "run_id": source.get("run_id"), "system_prompt": source["system_prompt"]}
+    return folder / checkpoints.ADAPTER_FILE, info
+
+
+def attacker_system_prompt(cfg) -> str:
+    """The system prompt the attacker formats goals with: its checkpoint's (as SFT trained it), else the config's."""
+    if cfg.defense.attacker is None:
+        return cfg.defense.attacker_system_prompt
+    try:
+        folder = checkpoints.resolve_adapter_source(Path(cfg.defense.attacker))
+        return checkpoints.read_manifest(folder)["system_prompt"]
+    except checkpoints.CheckpointError as exc:
+        raise AttackerError(f"defense.attacker {cfg.defense.attacker}: {exc}") from None
+
+
+class AttackerError(RuntimeError):
+    """The attacker named by defense.attacker cannot be used; the message says why and what to do."""
+
+
 @task(name="initialize", cache_policy=NO_CACHE)
 def initialize_stage(run_dir: str) -> str:
     """The adapter the run starts from as a checkpoint, so every later stage can reload it: the seeded LoRA init,
@@ -82,9 +121,22 @@ def initialize_stage(run_dir: str) -> str:
         stage_logger().info("run %s starts from the adapter of %s", res.run.run_id, info["parent_checkpoint"])
     folder.mkdir(parents=True, exist_ok=True)
     checkpoints.save_adapter(folder / checkpoints.ADAPTER_FILE, res.policy.adapter_state())
+    if res.config.run.mode == "defense":
+        attacker_file, info["attacker"] = attacker_adapter(res)
+        if attacker_file is not None:
+            res.policy.load_adapter(attacker_file, ATTACKER)
+        res._attacker_loaded = True
+        checkpoints.save_adapter(folder / checkpoints.ATTACKER_FILE, res.policy.adapter_state(ATTACKER))
     checkpoints.write_manifest(folder, info)
     res.version = INIT_VERSION
     return str(folder)
+
+
+# The metrics a checkpoint's manifest repeats, by the stage that wrote its weights.
+CHECKPOINT_SUMMARY = {
+    TRAIN_STEP.name: ("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean"),
+    SFT_TRAIN.name: ("train_loss", "eval_loss"),
+}
 
 
 @task(name=CHECKPOINT.name, cache_policy=NO_CACHE)
@@ -96,10 +148,11 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
     if run.completed(CHECKPOINT, iteration):
         stage_logger().info("iteration %d: checkpoint already completed", iteration)
         return str(folder)
-    metrics = run.read(TRAIN_STEP, iteration).to_pylist()[0]
-    run.verify(TRAIN_STEP, iteration)  # seal exactly the weights the train step recorded
+    update = run.update_stage
+    metrics = run.read(update, iteration).to_pylist()[0]
+    run.verify(update, iteration)  # seal exactly the weights the update stage recorded
     checkpoints.save_rng(folder / checkpoints.RNG_FILE)
-    summary = {k: metrics[k] for k in ("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean")}
+    summary = {k: metrics[k] for k in CHECKPOINT_SUMMARY[update.name]}
     with interrupts.recording():  # sealed exactly when recorded
         checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
         run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])

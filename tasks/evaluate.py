@@ -129,6 +129,7 @@ def evaluate_checkpoint(
         "prompts": len(chosen),
         "samples_per_prompt": samples_per_prompt,
         "held_out": held_out,
+        "policies": list(POLICIES),
         **{label: rates([r for r in rows if r["policy"] == label]) for label in POLICIES},
     }
     log.info(

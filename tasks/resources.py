@@ -14,7 +14,7 @@ import torch
 
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data import Prompt, load_prompts
-from redteam_grpo.core.policy import Policy, load_policy, resolve_device
+from redteam_grpo.core.policy import ATTACKER, Policy, load_policy, resolve_device
 from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints
@@ -33,6 +33,7 @@ class RunResources:
     optimizer: torch.optim.Optimizer
     version: int | None = None  # None: the fresh LoRA init, not yet tied to a checkpoint
     _scoring: ScoringBackend | None = field(default=None, repr=False)
+    _attacker_loaded: bool = field(default=False, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
 
     @property
@@ -52,8 +53,29 @@ class RunResources:
             self._prompts = prompts
         return self._prompts
 
+    @property
+    def attacker_system_prompt(self) -> str | None:
+        """Defense: the system prompt the attacker's goals are formatted with, as the initial checkpoint records."""
+        return checkpoints.read_manifest(self.run.checkpoint_dir(INIT_VERSION))["attacker"]["system_prompt"]
+
+    def ensure_attacker(self) -> None:
+        """Defense: the attacker's adapter of the initial checkpoint in memory (frozen: loaded once)."""
+        if self.config.run.mode != "defense" or self._attacker_loaded:
+            return
+        folder = self.run.checkpoint_dir(INIT_VERSION)
+        try:
+            checkpoints.read_manifest(folder)
+        except checkpoints.CheckpointError as exc:
+            raise DamagedRunError(
+                f"{exc}: the attacker's adapter is copied there when the run starts. Resume the run to write it again "
+                f"(redteam-grpo defense --resume {self.run.root} --redo 0)"
+            ) from None
+        self.policy.load_adapter(folder / checkpoints.ATTACKER_FILE, ATTACKER)
+        self._attacker_loaded = True
+
     def ensure_version(self, version: int) -> None:
-        """Put the adapter and optimizer of `version` (-1: initial) in memory."""
+        """Put the adapter and optimizer of `version` (-1: initial) in memory (and, in defense, the attacker)."""
+        self.ensure_attacker()
         if version == self.version:
             return
         folder = self.run.checkpoint_dir(version)
@@ -87,6 +109,10 @@ def resources_for(run_dir: str | Path) -> RunResources:
         config = run.stored_config()
         device = resolve_device(config.run.device)
         policy = load_policy(config.model, config.sampling.temperature, device, config.run.seed)
+        if config.run.mode == "defense":
+            policy.add_role(
+                ATTACKER
+            )  # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's is loaded
         _CACHE[root] = RunResources(run, config, device, policy, make_optimizer(policy, config.training))
     return _CACHE[root]
 

@@ -1,19 +1,85 @@
-"""Stage 1: sample G completions per prompt from the current policy; record token ids and logprobs."""
+"""Stage 1: sample G completions per prompt from the current policy; record token ids and logprobs.
+
+In defense mode the prompts are the attacker's, read from this iteration's attacks file (`tasks/attack.py`), and
+the policy is the defender; the stage is otherwise the same.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.data import check_prompt_lengths, prompts_for_iteration
-from redteam_grpo.core.diagnostics import rollout_stats
+from redteam_grpo.core.data import Prompt, check_prompt_lengths, prompts_for_iteration
+from redteam_grpo.core.diagnostics import RolloutStats, rollout_stats
+from redteam_grpo.core.policy import Policy
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import schemas
-from redteam_grpo.storage.stages import SAMPLE
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import ATTACK, SAMPLE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
+
+ATTACK_PROMPT_SEPARATOR = "#"
+"""Defense: the defender's prompt id is `<goal id>#<attacker sample>`, so every row joins back to its goal."""
+
+
+def sample_rollouts(
+    policy: Policy,
+    run_id: str,
+    iteration: int,
+    prompts: Sequence[Prompt],
+    system_prompt: str | None,
+    max_prompt_tokens: int,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+) -> tuple[pa.Table, RolloutStats]:
+    """Sample `samples_per_prompt` completions of every prompt with the active adapter; the rollouts table (prompt
+    ids exactly as fed, completion ids exactly as drawn, one sampling logprob per token) and its statistics."""
+    tokenizer = policy.tokenizer
+    prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
+    check_prompt_lengths(list(prompts), prompt_ids, max_prompt_tokens)
+    completions = sample_completions(policy, prompt_ids, samples_per_prompt, max_new_tokens, batch_size, seed)
+    n = len(completions)
+    completion_ids = [c.completion_ids for c in completions]
+    finish_reasons = [c.finish_reason for c in completions]
+    table = schemas.to_table(
+        {
+            "run_id": [run_id] * n,
+            "iteration": [iteration] * n,
+            "prompt_id": [prompts[c.prompt_index].prompt_id for c in completions],
+            "sample_idx": [c.sample_idx for c in completions],
+            "prompt": [prompts[c.prompt_index].text for c in completions],
+            "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
+            "completion_token_ids": completion_ids,
+            "sampling_logprobs": [c.sample_logprobs for c in completions],
+            "completion_text": tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            "finish_reason": finish_reasons,
+            "completion_length": [len(ids) for ids in completion_ids],
+            "policy_version": [iteration - 1] * n,
+            "sampling_seed": [seed] * n,
+            "temperature": [policy.distribution.temperature] * n,
+        },
+        schemas.ROLLOUTS,
+        "rollouts",
+    )
+    return table, rollout_stats(completion_ids, finish_reasons, policy.end_of_turn_ids, policy.turn_header_ids)
+
+
+def attacker_prompts(run: RunDir, iteration: int) -> list[Prompt]:
+    """Defense: the attacker's prompts of `iteration` as the defender's prompts, one per attack row."""
+    attacks = run.read(ATTACK, iteration).to_pydict()
+    return [
+        Prompt(f"{goal}{ATTACK_PROMPT_SEPARATOR}{idx}", text)
+        for goal, idx, text in zip(attacks["prompt_id"], attacks["sample_idx"], attacks["completion_text"], strict=True)
+    ]
 
 
 @task(name=SAMPLE.name, cache_policy=NO_CACHE)
@@ -21,47 +87,25 @@ def sample_stage(run_dir: str, iteration: int) -> str:
     res = resources_for(run_dir)
     cfg = res.config
 
-    def compute():
+    def compute() -> tuple[pa.Table, Any]:
         res.ensure_version(iteration - 1)
-        prompts = prompts_for_iteration(
-            res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
-        )
-        tokenizer = res.policy.tokenizer
-        prompt_ids = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
-        check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
-        seed = derive_seed(cfg.run.seed, "sample", iteration)
-        completions = sample_completions(
+        if cfg.run.mode == "defense":
+            prompts = attacker_prompts(res.run, iteration)
+        else:
+            prompts = prompts_for_iteration(
+                res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
+            )
+        return sample_rollouts(
             res.policy,
-            prompt_ids,
+            res.run.run_id,
+            iteration,
+            prompts,
+            cfg.model.system_prompt,
+            cfg.model.max_prompt_tokens,
             cfg.sampling.group_size,
             cfg.sampling.max_new_tokens,
             cfg.sampling.batch_size,
-            seed,
+            derive_seed(cfg.run.seed, "sample", iteration),
         )
-        n = len(completions)
-        completion_ids = [c.completion_ids for c in completions]
-        finish_reasons = [c.finish_reason for c in completions]
-        table = schemas.to_table(
-            {
-                "run_id": [res.run.run_id] * n,
-                "iteration": [iteration] * n,
-                "prompt_id": [prompts[c.prompt_index].prompt_id for c in completions],
-                "sample_idx": [c.sample_idx for c in completions],
-                "prompt": [prompts[c.prompt_index].text for c in completions],
-                "prompt_token_ids": [prompt_ids[c.prompt_index] for c in completions],
-                "completion_token_ids": completion_ids,
-                "sampling_logprobs": [c.sample_logprobs for c in completions],
-                "completion_text": tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-                "finish_reason": finish_reasons,
-                "completion_length": [len(ids) for ids in completion_ids],
-                "policy_version": [iteration - 1] * n,
-                "sampling_seed": [seed] * n,
-                "temperature": [cfg.sampling.temperature] * n,
-            },
-            schemas.ROLLOUTS,
-            "rollouts",
-        )
-        stats = rollout_stats(completion_ids, finish_reasons, res.policy.end_of_turn_ids, res.policy.turn_header_ids)
-        return table, stats
 
     return run_table_stage(res.run, SAMPLE, iteration, compute)

@@ -1,5 +1,8 @@
 """Stage 2: score completions (harm, judge categories, refusal, novelty), repetition of completion tokens,
-KL to the base, and the composite reward. Every component is kept in the scores file."""
+KL to the base, entropy, and the composite reward. Every component is kept in the scores file.
+
+Defense runs the same stage: the judge scores each (attacker prompt, defender response) pair, and the reward's
+weights (reward.safety_weight, entropy_weight, kl_weight) make it the defense reward."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.kl import policy_reference_logprobs, sequence_kl
+from redteam_grpo.core.kl import policy_entropy_reference_logprobs, sequence_kl
+from redteam_grpo.core.logprobs import masked_mean
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
 from redteam_grpo.storage import schemas
@@ -57,21 +61,22 @@ def score_stage(run_dir: str, iteration: int) -> str:
             embeddings = embedded.tolist()
 
         res.ensure_version(iteration - 1)  # the weights that sampled this batch
-        policy_lp, reference_lp, kl = [], [], []
+        policy_lp, reference_lp, kl, entropy = [], [], [], []
         step = cfg.training.micro_batch_size
         for start in range(0, len(completion_ids), step):
             p, c = prompt_ids[start : start + step], completion_ids[start : start + step]
             # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T)
-            pol, ref, mask = policy_reference_logprobs(res.policy, p, c)
+            pol, ref, ent, mask = policy_entropy_reference_logprobs(res.policy, p, c)
             kl.extend(sequence_kl(pol, ref, mask).tolist())
+            entropy.extend(masked_mean(ent, mask, dim=1).tolist())
             for b, ids in enumerate(c):
                 policy_lp.append(pol[b, : len(ids)].tolist())
                 reference_lp.append(ref[b, : len(ids)].tolist())
         refusal = [bool(s.refusal) for s in scored]
         weights = r.weights
         reward = [
-            composite_reward(RewardTerms(t, rep, k, nov, ref), weights)
-            for t, rep, k, nov, ref in zip(toxicity, repetition, kl, novelty, refusal, strict=True)
+            composite_reward(RewardTerms(t, rep, k, nov, ref, ent), weights)
+            for t, rep, k, nov, ref, ent in zip(toxicity, repetition, kl, novelty, refusal, entropy, strict=True)
         ]
         table = schemas.to_table(
             {
@@ -88,6 +93,7 @@ def score_stage(run_dir: str, iteration: int) -> str:
                 "policy_logprobs": policy_lp,
                 "reference_logprobs": reference_lp,
                 "kl": kl,
+                "entropy": entropy,
                 "reward": [x if math.isfinite(x) else None for x in reward],
             },
             schemas.SCORES,

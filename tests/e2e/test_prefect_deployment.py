@@ -20,7 +20,7 @@ import yaml
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.lineage import read_lineage
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import SAMPLE, SCORE
+from redteam_grpo.storage.stages import ATTACK, SAMPLE, SCORE
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -110,7 +110,8 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp
 
     deployments = _deployments(api)
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
-    assert set(deployments) == {d["name"] for d in spec} == {"red-team", "evaluation", "scheduled-retraining"}
+    assert set(deployments) == {d["name"] for d in spec}
+    assert set(deployments) == {"red-team", "evaluation", "scheduled-retraining", "attacker-sft", "defense"}
     for d in deployments.values():
         assert d["work_pool_name"] == "redteam-grpo"
         assert d["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
@@ -151,3 +152,28 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp
     (written,) = (weekly.root / "eval").glob("iter_0000-*.parquet")
     table = pq.read_table(written)
     assert table.num_rows == 2 * 2 * 2 and set(table.column("policy").to_pylist()) == {"base", "adapter"}
+
+    # Defense mode through its deployments: sft -> defense (the SFT run as attacker) -> evaluation.
+    sft = _trigger(
+        api,
+        deployments["attacker-sft"],
+        {"overrides": ["run.iterations=2", "data.max_prompts=32", f"run.runs_dir={runs}", "run.run_id=attacker"]},
+    )
+    _work_off(api, env, [sft])
+    assert RunDir.open(runs / "attacker").manifest()["status"] == "completed"
+    defense = _trigger(
+        api,
+        deployments["defense"],
+        {"overrides": [*SMALL, f"run.runs_dir={runs}", "run.run_id=defended", f"defense.attacker={runs / 'attacker'}"]},
+    )
+    _work_off(api, env, [defense])
+    defended = RunDir.open(runs / "defended")
+    assert defended.manifest()["status"] == "completed"
+    assert schemas.read_table(defended.path(ATTACK, 0), schemas.ROLLOUTS).num_rows == 2
+    evaluation = _trigger(
+        api, deployments["evaluation"], {"run_dir": str(defended.root), "num_prompts": 2, "samples_per_prompt": 2}
+    )
+    _work_off(api, env, [evaluation])
+    (written,) = (defended.root / "eval").glob("iter_0000-defense-*.parquet")
+    rows = pq.read_table(written).to_pandas()
+    assert set(rows.policy) == {"base", "defended"} and set(rows.set) == {"heldout_goals", "prompt_file", "benign"}

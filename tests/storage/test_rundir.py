@@ -31,7 +31,7 @@ def _advantages(iteration: int) -> pa.Table:
 
 def test_every_stage_is_declared_once_with_its_file_schema_and_view():
     assert [s.name for s in ATTACK_ITERATION] == ["sample", "score", "advantage", "train_step", "checkpoint"]
-    assert sorted(BY_VIEW) == ["advantages", "metrics", "rollouts", "scores"]
+    assert sorted(BY_VIEW) == ["advantages", "attacks", "metrics", "rollouts", "scores", "sft_metrics"]
     assert BY_VIEW["metrics"].file == "train_metrics.parquet" and BY_VIEW["metrics"].schema is schemas.TRAIN_METRICS
 
 

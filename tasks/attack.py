@@ -1,0 +1,50 @@
+"""Defense stage 0: the attacker writes prompts for the iteration's goals (its adapter on the shared base).
+
+The goals are the iteration's draw of data.source; the attacker's adapter and its system prompt come from the
+run's initial checkpoint (`tasks/checkpoint.py: initialize_stage` copies them in), so the run never depends on
+the attacker's own run folder after it starts. The file has the rollouts schema: prompt_id is the goal's id,
+prompt the goal, completion the attacker's prompt, with ids and logprobs as drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from redteam_grpo.core.data import prompts_for_iteration
+from redteam_grpo.core.policy import ATTACKER
+from redteam_grpo.core.seeds import derive_seed
+from redteam_grpo.storage.stages import ATTACK
+from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.resources import resources_for
+from redteam_grpo.tasks.sample import sample_rollouts
+
+
+@task(name=ATTACK.name, cache_policy=NO_CACHE)
+def attack_stage(run_dir: str, iteration: int) -> str:
+    res = resources_for(run_dir)
+    cfg = res.config
+
+    def compute() -> tuple[pa.Table, Any]:
+        res.ensure_version(iteration - 1)
+        goals = prompts_for_iteration(
+            res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
+        )
+        with res.policy.role(ATTACKER):
+            return sample_rollouts(
+                res.policy,
+                res.run.run_id,
+                iteration,
+                goals,
+                res.attacker_system_prompt,
+                cfg.model.max_prompt_tokens,
+                cfg.defense.prompts_per_goal,
+                cfg.defense.attacker_max_new_tokens,
+                cfg.sampling.batch_size,
+                derive_seed(cfg.run.seed, "attack", iteration),
+            )
+
+    return run_table_stage(res.run, ATTACK, iteration, compute)
