@@ -32,6 +32,9 @@ _PROJECT_ERRORS = (
     ("redteam_grpo.storage.lineage", "LineageError"),
     ("redteam_grpo.storage.export", "ExportError"),
     ("redteam_grpo.tasks.evaluate", "EvaluationError"),
+    ("redteam_grpo.core.quantization", "QuantizationError"),
+    ("redteam_grpo.storage.hub", "HubError"),
+    ("redteam_grpo.tasks.checkpoint", "AttackerError"),
     ("redteam_grpo.tasks.infer", "InferenceError"),
     ("redteam_grpo.tasks.train_step", "JoinError"),
 )

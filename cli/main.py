@@ -58,6 +58,14 @@ def _load(config: Path | None, overrides: list[str] | None, stored=None, mode: s
 
 
 ResumeOption = Annotated[Path | None, typer.Option(help="Continue the run in this directory.")]
+PushOption = Annotated[
+    str | None,
+    typer.Option(
+        "--push-to-hub",
+        help="After the run, push its newest adapter to this hub repo (private; token from HF_TOKEN; "
+        "needs --set run.offline=false and a hub base model).",
+    ),
+]
 RedoOption = Annotated[
     str | None,
     typer.Option(help="With --resume: recompute ITERATION or ITERATION/STAGE and all after it (e.g. 7/score)."),
@@ -71,10 +79,11 @@ def run(
     set_: SetOption = None,
     resume: ResumeOption = None,
     redo: RedoOption = None,
+    push_to_hub: PushOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
-    _train("attack", config, set_, resume, redo, verbose)
+    _train("attack", config, set_, resume, redo, verbose, push_to_hub)
 
 
 @app.command()
@@ -84,10 +93,11 @@ def sft(
     set_: SetOption = None,
     resume: ResumeOption = None,
     redo: RedoOption = None,
+    push_to_hub: PushOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Fine-tune an attacker on (goal -> adversarial prompt) pairs (the bundled pairs by default), or resume one."""
-    _train("sft", config, set_, resume, redo, verbose)
+    _train("sft", config, set_, resume, redo, verbose, push_to_hub)
 
 
 @app.command()
@@ -97,14 +107,21 @@ def defense(
     set_: SetOption = None,
     resume: ResumeOption = None,
     redo: RedoOption = None,
+    push_to_hub: PushOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Train a defender against an attacker's prompts and a safety judge (--set defense.attacker=SFT_RUN)."""
-    _train("defense", config, set_, resume, redo, verbose)
+    _train("defense", config, set_, resume, redo, verbose, push_to_hub)
 
 
 def _train(
-    mode: str, config: Path | None, set_: list[str] | None, resume: Path | None, redo: str | None, verbose: bool
+    mode: str,
+    config: Path | None,
+    set_: list[str] | None,
+    resume: Path | None,
+    redo: str | None,
+    verbose: bool,
+    push_to_hub: str | None = None,
 ):
     from redteam_grpo.storage import ownership
     from redteam_grpo.storage.rundir import RunDir
@@ -116,6 +133,9 @@ def _train(
         ownership.refuse_if_owned(resume)  # the flow takes the lock; this only answers sooner
     # A resumed run's --config/--set change its stored config, never the defaults.
     cfg = _load(config, set_, stored, mode) if (config or set_ or stored is None) else None
+    if push_to_hub and (cfg or stored).run.offline:
+        console.print("[red]error:[/red] --push-to-hub needs the network: add --set run.offline=false")
+        raise typer.Exit(2)
     offline_environment((cfg or stored).run.offline)
     verbose = verbose or (cfg or stored).logging.level == "DEBUG"
     quiet_libraries(verbose)
@@ -142,6 +162,10 @@ def _train(
     else:
         _print_metrics(metrics_rows)
     console.print(f"run directory: [bold]{run_dir}[/bold]")
+    if push_to_hub:
+        from redteam_grpo.cli.runs import push_newest
+
+        push_newest(Path(run_dir), push_to_hub)
 
 
 def _run_with_progress(cfg, resume: Path | None, redo: str | None, stop, mode: str) -> tuple[str, list[dict]]:
@@ -284,7 +308,7 @@ def infer(
 
 
 def _register_commands() -> None:
-    from redteam_grpo.cli.runs import evaluate, export, inspect, report
+    from redteam_grpo.cli.runs import evaluate, export, inspect, push, report
     from redteam_grpo.cli.serve import serve_reward
 
     app.command("serve-reward")(serve_reward)
@@ -292,6 +316,7 @@ def _register_commands() -> None:
     app.command()(export)
     app.command()(report)
     app.command()(evaluate)
+    app.command()(push)
 
 
 _register_commands()

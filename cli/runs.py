@@ -206,3 +206,31 @@ def evaluate(
         frame.insert(0, "metric", frame.index)
         _print_frame(frame, title=f"{run.run_id} {result['checkpoint']}: defended vs base")
     console.print(f"responses: {result['path']}")
+
+
+def push_newest(
+    run_dir: Path, repo_id: str, iteration: int | None = None, public: bool = False, base_model=None
+) -> None:
+    """Push a checkpoint's adapter (default: the newest) as a PEFT adapter repo; the token comes from HF_TOKEN."""
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.storage.hub import push_adapter
+
+    run = _open(run_dir)
+    folder = run.checkpoint_dir(run.checkpoint_to_use(iteration))
+    with console.status(f"pushing {folder} to {repo_id}"):
+        url = push_adapter(folder, repo_id, private=not public, base_model=base_model)
+    console.print(f"pushed: {url}")
+
+
+@user_errors
+def push(
+    run_dir: RunArg,
+    repo_id: Annotated[str, typer.Option("--repo-id", help="Hub repo, e.g. my-org/qwen3-4b-defender.")],
+    iteration: Annotated[int | None, typer.Option(help="Checkpoint after this iteration (default: newest).")] = None,
+    public: Annotated[bool, typer.Option(help="Create the repo public (default: private).")] = False,
+    base_model: Annotated[
+        str | None, typer.Option(help="Hub id of the base the adapter was trained on, if the run named a folder.")
+    ] = None,
+) -> None:
+    """Push a run's adapter to the Hugging Face hub (token from HF_TOKEN; never the optimizer or RNG state)."""
+    push_newest(run_dir, repo_id, iteration, public, base_model)

@@ -56,6 +56,13 @@ class ModelConfig(_Section):
     """Module names that get LoRA adapters."""
     trust_remote_code: bool = False
     """Allow model code from the hub. Off: only architectures transformers ships are loaded."""
+    quantization: Literal["none", "4bit"] = "none"
+    """`4bit`: QLoRA. The frozen base is loaded in 4-bit NF4 with double quantization (bitsandbytes) and computes in
+    model.dtype (use bfloat16); the LoRA adapters stay float32. Needs a CUDA GPU and `pip install bitsandbytes` (the
+    `gpu` extra); refused on CPU. The reference (adapters off) is then the 4-bit base."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel of the policy: `sdpa` (PyTorch's fused attention) works everywhere; `eager` is the plain
+    reference; `flash_attention_2` needs the flash_attn package, a CUDA GPU and model.dtype bfloat16 or float16."""
 
 
 class SamplingConfig(_Section):

@@ -27,6 +27,7 @@ from redteam_grpo.core.chat import end_of_turn_ids, turn_header_ids
 from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.logprobs import SamplingDistribution
 from redteam_grpo.core.masks import gather_completion_logits, pack_sequences
+from redteam_grpo.core.quantization import check_attn_implementation, quantization_config
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +149,22 @@ class Policy:
 
 
 def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed: int) -> Policy:
+    dtype = DTYPES[cfg.dtype]
+    attn = check_attn_implementation(cfg.attn_implementation, device, dtype)  # before any weight is loaded
+    quantization = quantization_config(cfg.quantization, dtype, device)
     tokenizer = load_tokenizer(cfg)
     base = AutoModelForCausalLM.from_pretrained(
         resolve_model_name(cfg.policy),
         revision=cfg.revision,
-        dtype=DTYPES[cfg.dtype],
+        dtype=dtype,
         trust_remote_code=cfg.trust_remote_code,
-    ).to(device)
+        attn_implementation=attn,
+        quantization_config=quantization,
+        # a 4-bit model is quantized as it is placed: put it on the device while loading, never `.to()` it after
+        **({"device_map": {"": device}} if quantization is not None else {}),
+    )
+    if quantization is None:
+        base = base.to(device)
     present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
     targets = [m for m in cfg.lora_target_modules if m in present]
     if not targets:

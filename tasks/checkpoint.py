@@ -31,6 +31,7 @@ def _checkpoint_info(res, iteration: int) -> dict:
             "targets": cfg.model.lora_target_modules,
         },
         "system_prompt": cfg.model.system_prompt,
+        "quantization": cfg.model.quantization,
     }
 
 

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from redteam_grpo.core import quantization
-from redteam_grpo.core.quantization import QuantizationError, check_attn_implementation, quantization_config
+from redteam_grpo.core.quantization import (
+    ATTN_IMPLEMENTATIONS,
+    QUANTIZATION_MODES,
+    QuantizationError,
+    check_attn_implementation,
+    quantization_config,
+)
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU unless one is there
@@ -95,3 +101,21 @@ def test_flash_attention_needs_a_gpu_and_a_half_precision_dtype(monkeypatch):
         check_attn_implementation("flash_attention_2", CPU, torch.bfloat16)
     with pytest.raises(QuantizationError, match=r"model.dtype is float32: set model.dtype=bfloat16"):
         check_attn_implementation("flash_attention_2", CUDA, torch.float32)
+
+
+def test_a_policy_with_qlora_on_cpu_is_refused_before_any_weight_is_loaded(monkeypatch):
+    from typing import get_args
+
+    from redteam_grpo.core import policy as policy_module
+    from redteam_grpo.core.config import ModelConfig
+
+    assert get_args(ModelConfig.model_fields["quantization"].annotation) == QUANTIZATION_MODES
+    assert get_args(ModelConfig.model_fields["attn_implementation"].annotation) == ATTN_IMPLEMENTATIONS
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the setting was checked")
+
+    monkeypatch.setattr(policy_module.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(policy_module, "load_tokenizer", no_loading)
+    with pytest.raises(QuantizationError, match=r"model.quantization=none"):
+        policy_module.load_policy(ModelConfig(quantization="4bit"), 1.0, torch.device("cpu"), 0)
