@@ -40,8 +40,15 @@ def resume_hint(root: Path, signum: int) -> str:
         )
     return (
         f"run {root.name} interrupted by {interrupts.signal_name(signum)}: its completed stages are kept; "
-        f"continue it with: redteam-grpo run --resume {root}"
+        f"continue it with: redteam-grpo {_command(root)} --resume {root}"
     )
+
+
+def _command(root: Path) -> str:
+    try:
+        return RunDir(root).command
+    except Exception:  # an unreadable config: the hint still names the folder
+        return "run"
 
 
 class StopOnSignal:

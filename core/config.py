@@ -296,6 +296,22 @@ class DefenseConfig(_Section):
     responses."""
     attacker_max_new_tokens: int = Field(32, gt=0)
     """Length limit of an attacker's prompt; a prompt cut there is still answered (its finish_reason says so)."""
+    self_play: bool = False
+    """The attacker keeps learning: each iteration, after the defender's update, a GRPO update of the attacker's
+    adapter (a goal's prompts_per_goal prompts form its group) with reward = the judge's mean P(unsafe) over the
+    defender's responses + attacker_novelty_weight × novelty − reward.kl_weight × KL(attacker ‖ base)."""
+    attacker_novelty_weight: float = Field(0.5, ge=0.0)
+    """Self-play: weight of the novelty of an attacker's prompt (against the other prompts of the iteration and the
+    earlier ones; reward.embedder), which keeps the attacker from collapsing onto one prompt. 0: off."""
+
+    @model_validator(mode="after")
+    def _self_play_has_groups(self) -> DefenseConfig:
+        if self.self_play and self.prompts_per_goal < 2:
+            raise ValueError(
+                f"defense.self_play needs defense.prompts_per_goal >= 2 (got {self.prompts_per_goal}): the attacker's "
+                "GRPO groups are a goal's prompts"
+            )
+        return self
 
 
 class LoggingConfig(_Section):

@@ -44,7 +44,7 @@ from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
 from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
-from redteam_grpo.storage.rundir import RunDir, RunDirError, new_run_id, parse_redo
+from redteam_grpo.storage.rundir import MODE_COMMANDS, RunDir, RunDirError, new_run_id, parse_redo
 from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
@@ -176,7 +176,7 @@ def requested_config(
     return requested
 
 
-_COMMAND = {"attack": "run", "sft": "sft", "defense": "defense"}  # the CLI command of each mode
+_COMMAND = MODE_COMMANDS
 
 
 # What a stop signal raises in a flow: Prefect's SIGTERM handler TerminationSignal, Python's SIGINT handler

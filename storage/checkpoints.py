@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 
 ADAPTER_FILE = "adapter.safetensors"
-ATTACKER_FILE = "attacker.safetensors"  # defense: the attacker's adapter (in the initial checkpoint)
+ATTACKER_FILE = "attacker.safetensors"  # defense: the attacker's adapter (initial checkpoint; self-play: every one)
+ATTACKER_OPTIMIZER_FILE = "attacker_optimizer.safetensors"  # self-play: the attacker's optimizer state
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 MANIFEST_FILE = "manifest.json"

@@ -31,7 +31,15 @@ import pyarrow.parquet as pq
 from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
-from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, SFT_TRAIN, TRAIN_STEP, Stage
+from redteam_grpo.storage.stages import (
+    ALL_STAGES,
+    ATTACK_TRAIN_STEP,
+    BY_NAME,
+    CHECKPOINT,
+    SFT_TRAIN,
+    TRAIN_STEP,
+    Stage,
+)
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
 RUN_FORMAT = 3
@@ -45,6 +53,7 @@ FORMAT_CHANGES = {
         "min_new_tokens, repetition_penalty and backend removed)"
     ),
 }
+MODE_COMMANDS = {"attack": "run", "sft": "sft", "defense": "defense"}  # the CLI command of each run.mode
 INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
 OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
 # What a `create` interrupted before its manifest write can leave in the folder.
@@ -242,9 +251,22 @@ class RunDir:
             )
 
     @property
+    def command(self) -> str:
+        """The CLI command that runs (and resumes) this run's mode."""
+        return MODE_COMMANDS[self.stored_config().run.mode]
+
+    @property
     def update_stage(self) -> Stage:
-        """The stage that writes an iteration's weights: the SFT epoch, or the GRPO train step."""
+        """The stage that writes an iteration's (first) weights: the SFT epoch, or the GRPO train step."""
         return SFT_TRAIN if self.stored_config().run.mode == "sft" else TRAIN_STEP
+
+    @property
+    def update_stages(self) -> tuple[Stage, ...]:
+        """Every stage that writes weights into an iteration's checkpoint folder (self-play: both roles')."""
+        cfg = self.stored_config()
+        if cfg.run.mode == "defense" and cfg.defense.self_play:
+            return (TRAIN_STEP, ATTACK_TRAIN_STEP)
+        return (self.update_stage,)
 
     def stored_config(self) -> Config:
         try:
@@ -322,7 +344,7 @@ class RunDir:
         if entry is None:
             raise RunDirError(
                 f"{stage.name} of iteration {iteration} is not recorded as completed in {self.manifest_path}: "
-                f"resume the run (redteam-grpo run --resume {self.root})"
+                f"resume the run (redteam-grpo {self.command} --resume {self.root})"
             )
         table = str(self.path(stage, iteration).relative_to(self.root)) if stage.file else None
         for rel, digest in entry["files"].items():
@@ -334,7 +356,7 @@ class RunDir:
                 raise DamagedRunError(
                     f"{self.root / rel} {problem}: {stage.name} of iteration {iteration} is damaged, and what was "
                     f"computed from it (the later stages of iteration {iteration} and every later iteration) cannot "
-                    f"be trusted. Recompute from there with: redteam-grpo run --resume {self.root} "
+                    f"be trusted. Recompute from there with: redteam-grpo {self.command} --resume {self.root} "
                     f"--redo {iteration}/{stage.name}"
                 )
         return entry

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from redteam_grpo.storage import schemas
+from redteam_grpo.storage import checkpoints, schemas
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,28 @@ TRAIN_STEP = Stage(
     "metrics",
     "one row per iteration: every metric of core/metrics.py; the updated adapter and optimizer go to the checkpoint",
 )
+ATTACK_SCORE = Stage(
+    "attack_score",
+    "attack_scores.parquet",
+    schemas.SCORES,
+    "attack_scores",
+    "self-play: each attacker prompt's reward: the judge's mean P(unsafe) over the defender's responses, novelty "
+    "against collapse, KL(attacker || base)",
+)
+ATTACK_ADVANTAGE = Stage(
+    "attack_advantage",
+    "attack_advantages.parquet",
+    schemas.ADVANTAGES,
+    "attack_advantages",
+    "self-play: group-relative advantage of every attacker prompt (a goal's prompts form a group)",
+)
+ATTACK_TRAIN_STEP = Stage(
+    "attack_train_step",
+    "attack_train_metrics.parquet",
+    schemas.TRAIN_METRICS,
+    "attack_metrics",
+    "self-play: the attacker's update; its metrics row; the attacker's adapter and optimizer go to the checkpoint",
+)
 SFT_TRAIN = Stage(
     "sft_train",
     "sft_metrics.parquet",
@@ -73,9 +95,27 @@ CHECKPOINT = Stage(
 
 # Every stage in the order stages run within an iteration; each mode runs a subsequence of it, so one order
 # serves the manifest, verification and redo of every mode.
-ALL_STAGES: tuple[Stage, ...] = (ATTACK, SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, SFT_TRAIN, CHECKPOINT)
+ALL_STAGES: tuple[Stage, ...] = (
+    ATTACK,
+    SAMPLE,
+    SCORE,
+    ADVANTAGE,
+    TRAIN_STEP,
+    ATTACK_SCORE,
+    ATTACK_ADVANTAGE,
+    ATTACK_TRAIN_STEP,
+    SFT_TRAIN,
+    CHECKPOINT,
+)
 ATTACK_ITERATION: tuple[Stage, ...] = (SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT)
 DEFENSE_ITERATION: tuple[Stage, ...] = (ATTACK, SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT)
+SELF_PLAY_ITERATION: tuple[Stage, ...] = (
+    *DEFENSE_ITERATION[:-1],
+    ATTACK_SCORE,
+    ATTACK_ADVANTAGE,
+    ATTACK_TRAIN_STEP,
+    CHECKPOINT,
+)
 SFT_ITERATION: tuple[Stage, ...] = (SFT_TRAIN, CHECKPOINT)
 ITERATION_OF_MODE: dict[str, tuple[Stage, ...]] = {
     "attack": ATTACK_ITERATION,
@@ -85,3 +125,30 @@ ITERATION_OF_MODE: dict[str, tuple[Stage, ...]] = {
 TABLE_STAGES: tuple[Stage, ...] = tuple(s for s in ALL_STAGES if s.file is not None)
 BY_NAME: dict[str, Stage] = {s.name: s for s in ALL_STAGES}
 BY_VIEW: dict[str, Stage] = {s.view: s for s in TABLE_STAGES if s.view}
+
+
+@dataclass(frozen=True)
+class Learner:
+    """A role that GRPO trains: the adapter it trains, the stages of its rollouts, scores, advantages and update, and
+    the checkpoint files of its adapter and optimizer. Red-team and defense runs train `POLICY` (the default
+    adapter: the attacked model, or the defender); self-play also trains `ATTACKER_LEARNER`."""
+
+    role: str  # the adapter's name on the policy (core/policy.py: DEFAULT_ROLE, ATTACKER)
+    rollouts: Stage
+    scores: Stage
+    advantages: Stage
+    update: Stage
+    adapter_file: str
+    optimizer_file: str
+
+
+POLICY = Learner("default", SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, checkpoints.ADAPTER_FILE, checkpoints.OPTIMIZER_FILE)
+ATTACKER_LEARNER = Learner(
+    "attacker",
+    ATTACK,
+    ATTACK_SCORE,
+    ATTACK_ADVANTAGE,
+    ATTACK_TRAIN_STEP,
+    checkpoints.ATTACKER_FILE,
+    checkpoints.ATTACKER_OPTIMIZER_FILE,
+)

@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.advantages import group_advantages
 from redteam_grpo.storage import schemas
-from redteam_grpo.storage.stages import ADVANTAGE, SCORE
+from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ADVANTAGE, ATTACKER_LEARNER, POLICY, Learner
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
@@ -32,12 +32,23 @@ def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str
 
 @task(name=ADVANTAGE.name, cache_policy=NO_CACHE)
 def advantage_stage(run_dir: str, iteration: int) -> str:
+    return group_advantage_stage(run_dir, iteration, POLICY)
+
+
+@task(name=ATTACK_ADVANTAGE.name, cache_policy=NO_CACHE)
+def attack_advantage_stage(run_dir: str, iteration: int) -> str:
+    """Self-play: the attacker's advantages; a goal's prompts_per_goal prompts form a group."""
+    return group_advantage_stage(run_dir, iteration, ATTACKER_LEARNER)
+
+
+def group_advantage_stage(run_dir: str, iteration: int, learner: Learner) -> str:
     res = resources_for(run_dir)
     cfg = res.config
+    group_size = cfg.defense.prompts_per_goal if learner is ATTACKER_LEARNER else cfg.sampling.group_size
 
     def compute():
-        scores = res.run.read(SCORE, iteration).to_pydict()
-        order, rewards_P_G = rewards_by_group(scores, cfg.sampling.group_size)
+        scores = res.run.read(learner.scores, iteration).to_pydict()
+        order, rewards_P_G = rewards_by_group(scores, group_size)
         advantages_P_G, stats = group_advantages(
             rewards_P_G, cfg.training.scale_by_group_std, cfg.training.batch_zscore, cfg.training.std_floor
         )
@@ -64,4 +75,4 @@ def advantage_stage(run_dir: str, iteration: int) -> str:
         )
         return table, stats
 
-    return run_table_stage(res.run, ADVANTAGE, iteration, compute)
+    return run_table_stage(res.run, learner.advantages, iteration, compute)

@@ -10,6 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.policy import ATTACKER
+from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.rundir import INIT_VERSION
@@ -126,7 +127,10 @@ def initialize_stage(run_dir: str) -> str:
         attacker_file, info["attacker"] = attacker_adapter(res)
         if attacker_file is not None:
             res.policy.load_adapter(attacker_file, ATTACKER)
-        res._attacker_loaded = True
+        res.attacker_version = INIT_VERSION
+        if res.config.defense.self_play:
+            with res.policy.role(ATTACKER):
+                res.attacker_optimizer = make_optimizer(res.policy, res.config.training)
         checkpoints.save_adapter(folder / checkpoints.ATTACKER_FILE, res.policy.adapter_state(ATTACKER))
     checkpoints.write_manifest(folder, info)
     res.version = INIT_VERSION
@@ -151,7 +155,8 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
         return str(folder)
     update = run.update_stage
     metrics = run.read(update, iteration).to_pylist()[0]
-    run.verify(update, iteration)  # seal exactly the weights the update stage recorded
+    for stage in run.update_stages:
+        run.verify(stage, iteration)  # seal exactly the weights the update stages recorded
     checkpoints.save_rng(folder / checkpoints.RNG_FILE)
     summary = {k: metrics[k] for k in CHECKPOINT_SUMMARY[update.name]}
     with interrupts.recording():  # sealed exactly when recorded

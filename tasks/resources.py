@@ -14,7 +14,7 @@ import torch
 
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data import Prompt, load_prompts
-from redteam_grpo.core.policy import ATTACKER, Policy, load_policy, resolve_device
+from redteam_grpo.core.policy import ATTACKER, DEFAULT_ROLE, Policy, load_policy, resolve_device
 from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints
@@ -33,7 +33,9 @@ class RunResources:
     optimizer: torch.optim.Optimizer
     version: int | None = None  # None: the fresh LoRA init, not yet tied to a checkpoint
     _scoring: ScoringBackend | None = field(default=None, repr=False)
-    _attacker_loaded: bool = field(default=False, repr=False)
+    attacker_version: int | None = None  # defense: the iteration whose update made the attacker in memory (-1: initial)
+    attacker_optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # self-play only
+    _embedder: object | None = field(default=None, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
 
     @property
@@ -58,39 +60,60 @@ class RunResources:
         """Defense: the system prompt the attacker's goals are formatted with, as the initial checkpoint records."""
         return checkpoints.read_manifest(self.run.checkpoint_dir(INIT_VERSION))["attacker"]["system_prompt"]
 
-    def ensure_attacker(self) -> None:
-        """Defense: the attacker's adapter of the initial checkpoint in memory (frozen: loaded once)."""
-        if self.config.run.mode != "defense" or self._attacker_loaded:
-            return
-        folder = self.run.checkpoint_dir(INIT_VERSION)
-        try:
-            checkpoints.read_manifest(folder)
-        except checkpoints.CheckpointError as exc:
-            raise DamagedRunError(
-                f"{exc}: the attacker's adapter is copied there when the run starts. Resume the run to write it again "
-                f"(redteam-grpo defense --resume {self.run.root} --redo 0)"
-            ) from None
-        self.policy.load_adapter(folder / checkpoints.ATTACKER_FILE, ATTACKER)
-        self._attacker_loaded = True
+    def optimizer_for(self, role: str) -> torch.optim.Optimizer:
+        return self.optimizer if role == DEFAULT_ROLE else self.attacker_optimizer
 
-    def ensure_version(self, version: int) -> None:
-        """Put the adapter and optimizer of `version` (-1: initial) in memory (and, in defense, the attacker)."""
-        self.ensure_attacker()
-        if version == self.version:
+    @property
+    def embedder(self):
+        """Self-play: the sentence embedder of the attacker's novelty term (reward.embedder), loaded once."""
+        if self._embedder is None:
+            from redteam_grpo.core.novelty import SentenceEmbedder
+
+            self._embedder = SentenceEmbedder(self.config.reward.embedder, self.device, self.config.reward.batch_size)
+        return self._embedder
+
+    def ensure_attacker(self, version: int) -> None:
+        """Defense: the attacker in memory as it was after iteration `version`'s update. A frozen attacker is the
+        initial checkpoint's at every version; in self-play its adapter and optimizer are the checkpoint's."""
+        cfg = self.config
+        if cfg.run.mode != "defense":
             return
-        folder = self.run.checkpoint_dir(version)
+        wanted = version if cfg.defense.self_play else INIT_VERSION
+        if wanted == self.attacker_version:
+            return
+        folder = self.run.checkpoint_dir(wanted)
+        self._check_checkpoint(folder, wanted)
+        self.policy.load_adapter(folder / checkpoints.ATTACKER_FILE, ATTACKER)
+        if cfg.defense.self_play:
+            with self.policy.role(ATTACKER):
+                if wanted == INIT_VERSION or self.attacker_optimizer is None:
+                    self.attacker_optimizer = make_optimizer(self.policy, cfg.training)
+                if wanted != INIT_VERSION:
+                    checkpoints.load_optimizer(folder / checkpoints.ATTACKER_OPTIMIZER_FILE, self.attacker_optimizer)
+        self.attacker_version = wanted
+
+    def _check_checkpoint(self, folder: Path, version: int) -> None:
         try:
             checkpoints.read_manifest(folder)  # complete, and every file matches its checksum
         except checkpoints.CheckpointError as exc:
             if version == INIT_VERSION:
                 raise DamagedRunError(
                     f"{exc}: the adapter this run started from is damaged. Resume the run to write it again "
-                    f"(redteam-grpo run --resume {self.run.root} --redo 0/sample)"
+                    f"(redteam-grpo {self.run.command} --resume {self.run.root} --redo 0)"
                 ) from None
             raise DamagedRunError(
                 f"{exc}: the weights after iteration {version}, which every later iteration builds on, are damaged. "
-                f"Recompute them with: redteam-grpo run --resume {self.run.root} --redo {version}/train_step"
+                f"Recompute them with: redteam-grpo {self.run.command} --resume {self.run.root} "
+                f"--redo {version}/{self.run.update_stage.name}"
             ) from None
+
+    def ensure_version(self, version: int) -> None:
+        """Put the adapter and optimizer of `version` (-1: initial) in memory (and, in defense, the attacker)."""
+        self.ensure_attacker(version)
+        if version == self.version:
+            return
+        folder = self.run.checkpoint_dir(version)
+        self._check_checkpoint(folder, version)
         self.policy.load_adapter(folder / checkpoints.ADAPTER_FILE)
         if version == INIT_VERSION:
             self.optimizer = make_optimizer(self.policy, self.config.training)

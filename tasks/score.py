@@ -18,17 +18,20 @@ from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import SAMPLE, SCORE
+from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 
 
-def novelty_memory(run: RunDir, iteration: int, iterations_back: int, max_rows: int) -> torch.Tensor | None:
-    """Embeddings of the newest `max_rows` completions of the `iterations_back` iterations before this one."""
+def novelty_memory(
+    run: RunDir, iteration: int, iterations_back: int, max_rows: int, stage: Stage = SCORE
+) -> torch.Tensor | None:
+    """Embeddings of the newest `max_rows` texts of the `iterations_back` iterations before this one, from `stage`'s
+    files (the completions' scores; self-play: the attacker's prompts' scores)."""
     rows: list[list[float]] = []
     for earlier in range(max(0, iteration - iterations_back), iteration):
-        if earlier in run.recorded_iterations(SCORE):  # a damaged one is an error in read, never skipped
-            rows.extend(e for e in run.read(SCORE, earlier).column("embedding").to_pylist() if e is not None)
+        if earlier in run.recorded_iterations(stage):  # a damaged one is an error in read, never skipped
+            rows.extend(e for e in run.read(stage, earlier).column("embedding").to_pylist() if e is not None)
     rows = rows[-max_rows:]
     return torch.tensor(rows, dtype=torch.float32) if rows else None
 

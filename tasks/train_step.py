@@ -14,7 +14,7 @@ from redteam_grpo.core.metrics import iteration_metrics
 from redteam_grpo.core.train import TrainBatch, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ADVANTAGE, SAMPLE, SCORE, TRAIN_STEP, Stage
+from redteam_grpo.storage.stages import ATTACK_TRAIN_STEP, ATTACKER_LEARNER, POLICY, TRAIN_STEP, Learner, Stage
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
@@ -40,15 +40,30 @@ def recorded_stats(run: RunDir, stage: Stage, iteration: int) -> dict[str, float
 
 @task(name=TRAIN_STEP.name, cache_policy=NO_CACHE)
 def train_step_stage(run_dir: str, iteration: int) -> str:
+    return update_stage(run_dir, iteration, POLICY)
+
+
+@task(name=ATTACK_TRAIN_STEP.name, cache_policy=NO_CACHE)
+def attack_train_step_stage(run_dir: str, iteration: int) -> str:
+    """Self-play: the attacker's update, on its own rollouts (the attacks file) with its adapter active."""
+    return update_stage(run_dir, iteration, ATTACKER_LEARNER)
+
+
+def update_stage(run_dir: str, iteration: int, learner: Learner) -> str:
+    """One GRPO update of `learner`'s adapter from the weights of iteration - 1. The role's adapter is the only one
+    active (and trainable) in every forward; its ratio is checked against the logprobs recorded when its own rollouts
+    were sampled, so an update that saw another role's or another version's weights is refused."""
     res = resources_for(run_dir)
     run, cfg = res.run, res.config
     folder = run.checkpoint_dir(iteration)
-    weights = [folder / checkpoints.ADAPTER_FILE, folder / checkpoints.OPTIMIZER_FILE]
+    weights = [folder / learner.adapter_file, folder / learner.optimizer_file]
+    attacker = learner is ATTACKER_LEARNER
+    max_new_tokens = cfg.defense.attacker_max_new_tokens if attacker else cfg.sampling.max_new_tokens
 
     def compute():
         started = time.perf_counter()
-        rollouts = run.read(SAMPLE, iteration).to_pydict()
-        advantages = run.read(ADVANTAGE, iteration).to_pydict()
+        rollouts = run.read(learner.rollouts, iteration).to_pydict()
+        advantages = run.read(learner.advantages, iteration).to_pydict()
         rows = join_on_keys(rollouts, advantages, "rollouts x advantages")
         batch = TrainBatch(
             prompt_ids=rollouts["prompt_token_ids"],
@@ -56,17 +71,27 @@ def train_step_stage(run_dir: str, iteration: int) -> str:
             sample_logprobs=rollouts["sampling_logprobs"],
             advantages=[advantages["advantage"][i] for i in rows],
             group_ids=rollouts["prompt_id"],
-            max_new_tokens=cfg.sampling.max_new_tokens,
+            max_new_tokens=max_new_tokens,
         )
-        res.ensure_version(iteration - 1)
-        update = policy_gradient_step(res.policy, res.optimizer, batch, cfg.training)
-        checkpoints.save_adapter(weights[0], res.policy.adapter_state())
-        checkpoints.save_optimizer(weights[1], res.optimizer)
-        res.version = iteration
+        if attacker:
+            res.ensure_attacker(iteration - 1)  # the defender may already hold this iteration's update
+        else:
+            res.ensure_version(iteration - 1)
+        with res.policy.role(learner.role):
+            update = policy_gradient_step(res.policy, res.optimizer_for(learner.role), batch, cfg.training)
+        checkpoints.save_adapter(weights[0], res.policy.adapter_state(learner.role))
+        checkpoints.save_optimizer(weights[1], res.optimizer_for(learner.role))
+        if attacker:
+            res.attacker_version = iteration
+        else:
+            res.version = iteration
 
         # Each earlier stage recorded the statistics it computed; none is recomputed here.
         metrics = iteration_metrics(
-            *(recorded_stats(run, stage, iteration) for stage in (SAMPLE, SCORE, ADVANTAGE)),
+            *(
+                recorded_stats(run, stage, iteration)
+                for stage in (learner.rollouts, learner.scores, learner.advantages)
+            ),
             update,
             {"update_seconds": time.perf_counter() - started},
         )
@@ -75,8 +100,8 @@ def train_step_stage(run_dir: str, iteration: int) -> str:
         table = schemas.to_table(
             {"run_id": [run.run_id], "iteration": [iteration], **{k: [v] for k, v in metrics.items()}},
             schemas.TRAIN_METRICS,
-            "train_metrics",
+            learner.update.label,
         )
         return table, {}
 
-    return run_table_stage(run, TRAIN_STEP, iteration, compute, also_written=weights)
+    return run_table_stage(run, learner.update, iteration, compute, also_written=weights)

@@ -52,6 +52,20 @@ BUG_CLASSES = [
         "tests/core/test_policy_invariants.py::test_prompts_of_very_different_lengths_are_sampled_with_left_padding_and_cut_correctly",
     ),
     (
+        "sft-turn-closed-with-wrong-token",
+        "core/sft.py",
+        "    end_of_turn = turn_closing_id(policy.tokenizer, policy.end_of_turn_ids)",
+        "    end_of_turn = policy.end_of_turn_ids[0]",
+        "tests/core/test_sft.py::test_sft_targets_end_with_the_token_the_chat_template_closes_a_turn_with",
+    ),
+    (
+        "update-sees-another-roles-adapter",
+        "tasks/train_step.py",
+        "        with res.policy.role(learner.role):",
+        '        with res.policy.role("default"):',
+        "tests/flows/test_self_play.py::test_self_play_updates_both_adapters_each_on_its_own_rollouts",
+    ),
+    (
         "reference-carries-adapter",
         "core/policy.py",
         "with self.model.disable_adapter():",
