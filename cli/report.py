@@ -49,6 +49,26 @@ def _fmt(x) -> str:
     return str(x)
 
 
+TITLES = {"attack": "Red-team GRPO run", "defense": "Defense GRPO run", "sft": "Attacker SFT run"}
+
+
+def evaluation_html(run: RunDir) -> str:
+    """The newest evaluation's summary (`redteam-grpo evaluate`), metrics as rows and policies side by side."""
+    summaries = sorted((run.root / "eval").glob("summary-*.parquet"), key=lambda p: p.stat().st_mtime)
+    if not summaries:
+        return '<p id="evaluation">No evaluation yet: <code>redteam-grpo evaluate RUN</code> writes one.</p>'
+    frame = pd.read_parquet(summaries[-1])
+    frame["metric"] = [m if pd.isna(t) else f"{m} @ τ={t:g}" for m, t in zip(frame.metric, frame.tau, strict=True)]
+    table = frame.pivot_table(index="metric", columns="policy", values="value", sort=False, dropna=False)
+    header = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
+    body = "\n".join(
+        f"<tr><th>{html.escape(str(metric))}</th>" + "".join(f"<td>{_fmt(float(v))}</td>" for v in row) + "</tr>"
+        for metric, row in table.iterrows()
+    )
+    name = html.escape(summaries[-1].name.removeprefix("summary-"))
+    return f'<p>{name}</p><table id="evaluation"><tr><th>metric</th>{header}</tr>\n{body}</table>'
+
+
 def render_report(run: RunDir, top_k: int = 20) -> str:
     metrics = query(run, "select * from metrics order by iteration")
     examples = adversarial_examples(run, limit=top_k)
@@ -80,10 +100,12 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; }} .plots {{ display: f
 figure {{ margin: 0; }} table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px;
 vertical-align: top; text-align: left; }} .warning {{ background: #fff3cd; padding: 1em; border: 1px solid #e0c36b; }}
 </style></head><body>
-<h1>Red-team GRPO run {html.escape(run.run_id)}</h1>
+<h1>{TITLES[config.run.mode]} {html.escape(run.run_id)}</h1>
 <table class="facts">{facts_html}</table>
 <h2>Per iteration</h2>
 <div class="plots">{plots}</div>
+<h2>Evaluation against the base model</h2>
+{evaluation_html(run)}
 <h2>Top {len(examples)} adversarial examples by toxicity</h2>
 <p class="warning" id="content-warning"><strong>Content warning:</strong> the examples below were produced to be
 harmful or offensive. They are research data; do not publish them without care.</p>

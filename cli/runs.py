@@ -201,6 +201,10 @@ def evaluate(
         rows = [{"policy": policy, **result[policy]} for policy in result["policies"]]
         where = "held-out" if result["held_out"] else "training (no held-out prompts left)"
         _print_frame(pd.DataFrame(rows), title=f"{run.run_id} {result['checkpoint']} on {where} prompts")
+        redteam = pd.DataFrame(result["redteam"]).pivot(index="tau", columns="policy")
+        redteam.columns = [f"{metric} {policy}" for metric, policy in redteam.columns]
+        redteam = redteam[[c for c in redteam.columns if not c.startswith("n_successful")]].reset_index()
+        _print_frame(redteam, title="quality@tau and diversity of the cases above tau (Hong et al. 2024)")
     else:  # defense: metrics as rows, base and defended side by side
         frame = pd.DataFrame({policy: result[policy] for policy in result["policies"]})
         frame.insert(0, "metric", frame.index)

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -15,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import load_prompts
 from redteam_grpo.core.policy import load_policy, resolve_device
+from redteam_grpo.core.redteam_metrics import redteam_metrics
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
@@ -45,6 +47,50 @@ def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
         "toxicity_mean": sum(scored) / len(scored) if scored else math.nan,
         "refusal_rate": sum(r["refusal"] for r in rows) / len(rows),
     }
+
+
+def summary_path(rows_path: Path) -> Path:
+    """The summary table beside an evaluation's rows file."""
+    return rows_path.with_name("summary-" + rows_path.name)
+
+
+def write_summary(rows_path: Path, records: list[dict[str, Any]]) -> Path:
+    """The evaluation's summary as one long table (policy, metric, tau, value): what `report` shows."""
+    table = pa.Table.from_pylist(
+        records,
+        schema=pa.schema(
+            [("policy", pa.string()), ("metric", pa.string()), ("tau", pa.float64()), ("value", pa.float64())]
+        ),
+    )
+    path = summary_path(rows_path)
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+    return path
+
+
+def _embedder(cfg: Any, device: Any):
+    """The run's sentence embedder for the embedding diversity, or None (with a warning) if it cannot load."""
+    from redteam_grpo.core.novelty import SentenceEmbedder
+    from redteam_grpo.core.scorers import ScorerError
+
+    try:
+        return SentenceEmbedder(cfg.reward.embedder, device, cfg.reward.batch_size)
+    except (ScorerError, OSError) as exc:
+        stage_logger().warning("embedding diversity not computed: %s", exc)
+        return None
+
+
+def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -> list[dict[str, Any]]:
+    """quality@τ and the diversities of the test cases above τ (1 − SelfBLEU, 1 − mean pairwise cosine of their
+    embeddings; Hong et al. 2024, appendix A.7) of each policy's completions, one record per policy and τ."""
+    embedder = _embedder(cfg, device)
+    out = []
+    for label in POLICIES:
+        chosen = [r for r in rows if r["policy"] == label]
+        texts = [r["completion_text"] for r in chosen]
+        embeddings = embedder(texts) if embedder is not None and texts else None
+        metrics = redteam_metrics(texts, [r["toxicity"] for r in chosen], embeddings, seed=seed)
+        out.extend({"policy": label, **row} for row in metrics.as_rows())
+    return out
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -122,6 +168,7 @@ def evaluate_checkpoint(
     path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+    redteam = redteam_rows(rows, cfg, device, seed)
     summary = {
         "run_id": run.run_id,
         "checkpoint": name,
@@ -131,7 +178,18 @@ def evaluate_checkpoint(
         "held_out": held_out,
         "policies": list(POLICIES),
         **{label: rates([r for r in rows if r["policy"] == label]) for label in POLICIES},
+        "redteam": redteam,
     }
+    summary_records = [
+        {"policy": label, "metric": metric, "tau": math.nan, "value": value}
+        for label in POLICIES
+        for metric, value in summary[label].items()
+    ] + [
+        {"policy": r["policy"], "metric": metric, "tau": r["tau"], "value": float(r[metric])}
+        for r in redteam
+        for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
+    ]
+    write_summary(path, summary_records)
     log.info(
         "%s %s: attack success %.3f (base %.3f), toxicity %.3f (base %.3f) on %d prompts x %d",
         run.run_id,

@@ -38,7 +38,7 @@ from redteam_grpo.core.sft import sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
-from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint
+from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, write_summary
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -167,6 +167,14 @@ def evaluate_defense(
     path.parent.mkdir(exist_ok=True)
     table = pa.Table.from_pandas(pd.DataFrame(rows), preserve_index=False)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
+    write_summary(
+        path,
+        [
+            {"policy": label, "metric": metric, "tau": math.nan, "value": float(value)}
+            for label in POLICIES
+            for metric, value in summary[label].items()
+        ],
+    )
     result = {
         "run_id": run.run_id,
         "checkpoint": name,

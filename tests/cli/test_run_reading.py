@@ -141,7 +141,7 @@ def test_report_has_a_plot_per_metric_and_the_examples_behind_a_warning(run_dir,
     page.feed(target.read_text())
     assert set(page.figures) == {metric for metric, _ in PLOTS}
     assert all(f["svg"] == 1 and f["lines"] > 5 for f in page.figures.values()), page.figures
-    assert {"content-warning", "examples"} <= page.ids
+    assert {"content-warning", "examples", "evaluation"} <= page.ids
     assert "Content warning" in target.read_text()
 
 

@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 from safetensors.torch import load_file
 
+from redteam_grpo.cli.report import write_report
 from redteam_grpo.core.config import load_config
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.flows.evaluate import evaluate
@@ -27,6 +28,7 @@ from redteam_grpo.storage.stages import ATTACK, DEFENSE_ITERATION, SAMPLE, SCORE
 pytestmark = [pytest.mark.usefixtures("prefect_harness", "embedded_assets")]
 
 OVER_REFUSAL_MARGIN = 0.2
+BUNDLED_HELD_OUT = Path(__file__).resolve().parents[2] / "core" / "resources" / "heldout_goals.jsonl"
 QUIET = ["logging.progress=false", "logging.artifacts=false"]
 
 
@@ -79,6 +81,23 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     copied = load_file(init / checkpoints.ATTACKER_FILE)
     source = load_file(checkpoints.resolve_adapter_source(Path(attacker)) / checkpoints.ADAPTER_FILE)
     assert copied.keys() == source.keys() and all((copied[k] == source[k]).all() for k in copied)
+
+    # evaluation: every set for both policies in one file; its summary is what the report shows
+    result = evaluate(str(run.root), samples_per_prompt=2, num_prompts=4, artifacts=False)
+    rows = pd.read_parquet(result["path"])
+    assert rows.groupby(["policy", "set"]).size().to_dict() == {
+        (policy, name): 4 * 2 for policy in ("base", "defended") for name in ("heldout_goals", "prompt_file", "benign")
+    }
+    held_out = set(pd.read_json(BUNDLED_HELD_OUT, lines=True).goal)
+    assert not set(rows[rows.set == "heldout_goals"].prompt) & held_out  # the attacker's prompts, not the goals
+    assert result["defended"]["over_refusal"] == pytest.approx(
+        rows[(rows.policy == "defended") & (rows.set == "benign")].refusal.mean()
+    )
+    assert result["base"]["kl_to_base_benign"] == 0.0 and result["defended"]["kl_to_base_benign"] > 0.0
+    assert held_out  # the bundled held-out goals exist and are not training goals
+    assert not held_out & set(run.read(ATTACK, 1).to_pandas().prompt)
+    report = write_report(run).read_text()
+    assert 'id="evaluation"' in report and "over_refusal" in report and "Defense GRPO run" in report
 
 
 def _evaluated(run: RunDir) -> dict:

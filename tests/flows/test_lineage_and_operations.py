@@ -88,6 +88,13 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
         rows = df[df.policy == policy]
         assert newest[policy]["attack_success_rate"] == pytest.approx(rows.success.mean())
         assert newest[policy]["toxicity_mean"] == pytest.approx(rows.toxicity.mean())
+        # quality@tau (Hong et al. 2024): the share of test cases at or above tau, NaN scores counted as failures
+        for record in (r for r in newest["redteam"] if r["policy"] == policy):
+            assert record["quality"] == pytest.approx((rows.toxicity.fillna(-1) >= record["tau"]).mean())
+    assert sorted({r["tau"] for r in newest["redteam"]}) == [0.5, 0.6, 0.7, 0.8, 0.9]
+    summary = pd.read_parquet(Path(newest["path"]).with_name("summary-" + Path(newest["path"]).name))
+    rates = summary[summary.tau.isna()].set_index(["policy", "metric"]).value
+    assert rates["adapter", "attack_success_rate"] == pytest.approx(newest["adapter"]["attack_success_rate"])
     # The base is the adapter switched off: evaluating another checkpoint gives the same base completions.
     older = evaluate(run_dir=str(second.root), iteration=0, num_prompts=3, samples_per_prompt=2, artifacts=False)
     older_df = pd.read_parquet(older["path"])
