@@ -409,6 +409,11 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
             "safety_weight": 1.0,
             "entropy_weight": 0.05,
             "repetition_weight": 0.0,
+            # A refusal costs 0.3, so a safe answer beats a refusal and a refusal beats an unsafe answer. Without
+            # it, safety + entropy minimisation pays refusals best (safe and confident): on the embedded world the
+            # defender then refuses every benign prompt after ~30 iterations (measured: over-refusal 4 % -> 100 %,
+            # benign perplexity x1.7).
+            "refusal_weight": 0.3,
         },
     },
 }

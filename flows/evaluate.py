@@ -11,7 +11,14 @@ from prefect import flow
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.artifacts import publish_evaluation
 from redteam_grpo.tasks.evaluate import evaluate_checkpoint
-from redteam_grpo.tasks.evaluate_defense import BENIGN, HELDOUT_GOALS, PROMPT_FILE, evaluate_defense
+from redteam_grpo.tasks.evaluate_defense import (
+    BENIGN,
+    HELDOUT_GOALS,
+    OVER_REFUSAL_MARGIN,
+    PERPLEXITY_LIMIT,
+    PROMPT_FILE,
+    evaluate_defense,
+)
 
 
 @flow(name="redteam-evaluate", log_prints=True)
@@ -26,6 +33,8 @@ def evaluate(
     heldout_goals: str = HELDOUT_GOALS,
     prompt_file: str = PROMPT_FILE,
     benign: str = BENIGN,
+    over_refusal_margin: float = OVER_REFUSAL_MARGIN,
+    perplexity_limit: float = PERPLEXITY_LIMIT,
 ) -> dict[str, Any]:
     """Red-team runs: attack success rate, mean toxicity and refusal rate of the checkpoint after `iteration`
     (default: the newest) and of the base model, on `num_prompts` prompts the run did not sample,
@@ -34,7 +43,8 @@ def evaluate(
     Defense runs (tasks/evaluate_defense.py): the defended model and its base side by side: unsafe share on
     `heldout_goals` (the run's attacker writes the prompts) and on `prompt_file`, over-refusal on `benign`, and
     capability retention (KL to the base, perplexity of the benign replies); sources are local files, hub datasets
-    or `bundled:<file>`."""
+    or `bundled:<file>`. A defense is flagged when its over-refusal exceeds the base's by more than
+    `over_refusal_margin` or its perplexity the base's by more than the factor `perplexity_limit`."""
     if RunDir.open(Path(run_dir)).stored_config().run.mode == "defense":
         summary = evaluate_defense(
             run_dir,
@@ -46,6 +56,8 @@ def evaluate(
             heldout_goals,
             prompt_file,
             benign,
+            over_refusal_margin,
+            perplexity_limit,
         )
     else:
         summary = evaluate_checkpoint(run_dir, iteration, num_prompts, samples_per_prompt, success_threshold, seed)

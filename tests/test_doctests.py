@@ -11,10 +11,11 @@ import pytest
 EXAMPLES_AT_LEAST = {
     "redteam_grpo.core.advantages": 2,
     "redteam_grpo.core.redteam_metrics": 12,
-    "redteam_grpo.core.rewards": 6,
+    "redteam_grpo.core.rewards": 7,
     "redteam_grpo.core.seeds": 1,
     "redteam_grpo.core.stopping": 2,
     "redteam_grpo.core.train": 1,
+    "redteam_grpo.tasks.evaluate_defense": 2,
 }
 
 

@@ -111,3 +111,13 @@ def test_the_bug_class_catalogue_and_the_harness_name_the_same_classes_and_tests
         if name in sections and f"`{test}`" not in sections[name]
     ]
     assert unnamed == [], "tests the harness runs for a class that its section does not name"
+
+
+def test_every_shipped_config_is_valid_for_its_mode():
+    import yaml
+
+    from redteam_grpo.core.config import load_config
+
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        mode = (yaml.safe_load(path.read_text()).get("run") or {}).get("mode", "attack")
+        assert load_config(path, mode=mode).run.mode == mode, path

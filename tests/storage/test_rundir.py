@@ -6,7 +6,7 @@ import pytest
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
-from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ITERATION, BY_VIEW, SCORE
+from redteam_grpo.storage.stages import ADVANTAGE, ALL_STAGES, ATTACK_ITERATION, BY_VIEW, SCORE
 
 
 @pytest.fixture
@@ -31,7 +31,17 @@ def _advantages(iteration: int) -> pa.Table:
 
 def test_every_stage_is_declared_once_with_its_file_schema_and_view():
     assert [s.name for s in ATTACK_ITERATION] == ["sample", "score", "advantage", "train_step", "checkpoint"]
-    assert sorted(BY_VIEW) == ["advantages", "attacks", "metrics", "rollouts", "scores", "sft_metrics"]
+    assert sorted(BY_VIEW) == [
+        "advantages",
+        "attack_advantages",
+        "attack_metrics",
+        "attack_scores",
+        "attacks",
+        "metrics",
+        "rollouts",
+        "scores",
+        "sft_metrics",
+    ]
     assert BY_VIEW["metrics"].file == "train_metrics.parquet" and BY_VIEW["metrics"].schema is schemas.TRAIN_METRICS
 
 
@@ -93,7 +103,7 @@ def test_redo_drops_the_stage_the_rest_of_its_iteration_and_later_iterations(run
     ]
     assert run.completed(SCORE, 1) is not None and run.completed_iterations() == [0]
     assert run.manifest()["status"] == "running" and "stop_kind" not in run.manifest()
-    assert parse_redo("4") == (SAMPLE, 4)
+    assert parse_redo("4") == (ALL_STAGES[0], 4)  # the first stage of every mode: the whole iteration
     with pytest.raises(RunDirError, match="--redo 7/train_step"):
         parse_redo("7/scores")
 
