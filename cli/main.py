@@ -72,46 +72,37 @@ RedoOption = Annotated[
 ]
 
 
-@app.command()
-@user_errors
-def run(
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    resume: ResumeOption = None,
-    redo: RedoOption = None,
-    push_to_hub: PushOption = None,
-    verbose: VerboseOption = False,
-) -> None:
-    """Run GRPO red-teaming (embedded tiny models by default), or resume a run."""
-    _train("attack", config, set_, resume, redo, verbose, push_to_hub)
+def _training_command(mode: str, help_text: str):
+    """The `run`, `sft` and `defense` commands: one signature, one body (`_train`), each mode's flow and defaults."""
+
+    def command(
+        config: ConfigOption = None,
+        set_: SetOption = None,
+        resume: ResumeOption = None,
+        redo: RedoOption = None,
+        push_to_hub: PushOption = None,
+        verbose: VerboseOption = False,
+    ) -> None:
+        _train(mode, config, set_, resume, redo, verbose, push_to_hub)
+
+    command.__doc__ = help_text
+    return user_errors(command)
 
 
-@app.command()
-@user_errors
-def sft(
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    resume: ResumeOption = None,
-    redo: RedoOption = None,
-    push_to_hub: PushOption = None,
-    verbose: VerboseOption = False,
-) -> None:
-    """Fine-tune an attacker on (goal -> adversarial prompt) pairs (the bundled pairs by default), or resume one."""
-    _train("sft", config, set_, resume, redo, verbose, push_to_hub)
-
-
-@app.command()
-@user_errors
-def defense(
-    config: ConfigOption = None,
-    set_: SetOption = None,
-    resume: ResumeOption = None,
-    redo: RedoOption = None,
-    push_to_hub: PushOption = None,
-    verbose: VerboseOption = False,
-) -> None:
-    """Train a defender against an attacker's prompts and a safety judge (--set defense.attacker=SFT_RUN)."""
-    _train("defense", config, set_, resume, redo, verbose, push_to_hub)
+run = app.command("run")(
+    _training_command("attack", "Run GRPO red-teaming (embedded tiny models by default), or resume a run.")
+)
+sft = app.command("sft")(
+    _training_command(
+        "sft",
+        "Fine-tune an attacker on (goal -> adversarial prompt) pairs (the bundled pairs by default), or resume one.",
+    )
+)
+defense = app.command("defense")(
+    _training_command(
+        "defense", "Train a defender against an attacker's prompts and a safety judge (--set defense.attacker=SFT_RUN)."
+    )
+)
 
 
 def _train(

@@ -18,17 +18,14 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.kl import policy_entropy_reference_logprobs, sequence_kl
-from redteam_grpo.core.logprobs import masked_mean
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.policy import ATTACKER
 from redteam_grpo.core.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios, score_stats
-from redteam_grpo.storage import schemas
 from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
-from redteam_grpo.tasks.score import novelty_memory
+from redteam_grpo.tasks.score import novelty_memory, policy_terms, scores_table
 
 
 def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[str, dict[str, Any]]:
@@ -94,47 +91,21 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
             novelty, embeddings = list(novelty_scores(embedded, memory)), embedded.tolist()
         repetition = repetition_ratios(completion_ids, cfg.reward.repetition_ngram)
         res.ensure_attacker(iteration - 1)  # the weights that wrote these prompts
-        policy_lp, reference_lp, kl, entropy = [], [], [], []
-        step = cfg.training.micro_batch_size
         with res.policy.role(ATTACKER):
-            for start in range(0, n, step):
-                p, c = prompt_ids[start : start + step], completion_ids[start : start + step]
-                pol, ref, ent, mask = policy_entropy_reference_logprobs(res.policy, p, c)
-                kl.extend(sequence_kl(pol, ref, mask).tolist())
-                entropy.extend(masked_mean(ent, mask, dim=1).tolist())
-                for b, ids in enumerate(c):
-                    policy_lp.append(pol[b, : len(ids)].tolist())
-                    reference_lp.append(ref[b, : len(ids)].tolist())
+            terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)
         weights = RewardWeights(
             toxicity=1.0, repetition=cfg.reward.repetition_weight, kl=cfg.reward.kl_weight, novelty=weight
         )
         reward = [
             composite_reward(RewardTerms(h, rep, k, nov), weights)
-            for h, rep, k, nov in zip(harm, repetition, kl, novelty, strict=True)
+            for h, rep, k, nov in zip(harm, repetition, terms.kl, novelty, strict=True)
         ]
         refused = [per_prompt[k]["refusal_share"] >= 0.5 for k in keys]
+        categories = [per_prompt[k]["categories"] for k in keys]
         info = res.scoring.describe().scorer
-        table = schemas.to_table(
-            {
-                **{k: attacks[k] for k in schemas.KEY_COLUMNS},
-                "toxicity": harm,
-                "scorer_name": [info.name] * n,
-                "scorer_revision": [info.revision] * n,
-                "scorer_kind": [info.kind] * n,
-                "categories": [per_prompt[k]["categories"] for k in keys],
-                "refusal": refused,
-                "novelty": novelty,
-                "embedding": embeddings,
-                "repetition_ratio": repetition,
-                "policy_logprobs": policy_lp,
-                "reference_logprobs": reference_lp,
-                "kl": kl,
-                "entropy": entropy,
-                "reward": [x if math.isfinite(x) else None for x in reward],
-            },
-            schemas.SCORES,
-            "attack_scores",
+        table = scores_table(
+            attacks, harm, info, categories, refused, novelty, embeddings, repetition, terms, reward, "attack_scores"
         )
-        return table, score_stats(harm, repetition, novelty, refused, kl, [False] * n)
+        return table, score_stats(harm, repetition, novelty, refused, terms.kl, [False] * n)
 
     return run_table_stage(res.run, ATTACK_SCORE, iteration, compute)

@@ -7,7 +7,9 @@ weights (reward.safety_weight, entropy_weight, kl_weight) make it the defense re
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
+import pyarrow as pa
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -15,7 +17,9 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.kl import policy_entropy_reference_logprobs, sequence_kl
 from redteam_grpo.core.logprobs import masked_mean
 from redteam_grpo.core.novelty import novelty_scores
+from redteam_grpo.core.policy import Policy
 from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
+from redteam_grpo.core.scorers import ModelInfo
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
@@ -34,6 +38,70 @@ def novelty_memory(
             rows.extend(e for e in run.read(stage, earlier).column("embedding").to_pylist() if e is not None)
     rows = rows[-max_rows:]
     return torch.tensor(rows, dtype=torch.float32) if rows else None
+
+
+@dataclass
+class PolicyTerms:
+    """Per completion, under the sampling distribution of the active adapter and of the base (adapters off): the
+    logprobs of its tokens on both sides, the mean per-token k3 KL(policy_T || base_T) and the mean entropy."""
+
+    policy_logprobs: list[list[float]] = field(default_factory=list)
+    reference_logprobs: list[list[float]] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+
+
+def policy_terms(
+    policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]], micro_batch_size: int
+) -> PolicyTerms:
+    terms = PolicyTerms()
+    for start in range(0, len(completion_ids), micro_batch_size):
+        p, c = prompt_ids[start : start + micro_batch_size], completion_ids[start : start + micro_batch_size]
+        pol, ref, ent, mask = policy_entropy_reference_logprobs(policy, p, c)
+        terms.kl.extend(sequence_kl(pol, ref, mask).tolist())
+        terms.entropy.extend(masked_mean(ent, mask, dim=1).tolist())
+        for b, ids in enumerate(c):
+            terms.policy_logprobs.append(pol[b, : len(ids)].tolist())
+            terms.reference_logprobs.append(ref[b, : len(ids)].tolist())
+    return terms
+
+
+def scores_table(
+    keys: dict[str, list],
+    harm: list[float | None],
+    scorer: ModelInfo,
+    categories: list[list[str]],
+    refusal: list[bool],
+    novelty: list[float | None],
+    embeddings: list[list[float] | None],
+    repetition: list[float],
+    terms: PolicyTerms,
+    reward: list[float],
+    what: str,
+) -> pa.Table:
+    """A table of the SCORES schema (completions' scores, or self-play's attacker prompts'); NaN rewards are null."""
+    n = len(harm)
+    return schemas.to_table(
+        {
+            **{k: keys[k] for k in schemas.KEY_COLUMNS},
+            "toxicity": harm,
+            "scorer_name": [scorer.name] * n,
+            "scorer_revision": [scorer.revision] * n,
+            "scorer_kind": [scorer.kind] * n,
+            "categories": categories,
+            "refusal": refusal,
+            "novelty": novelty,
+            "embedding": embeddings,
+            "repetition_ratio": repetition,
+            "policy_logprobs": terms.policy_logprobs,
+            "reference_logprobs": terms.reference_logprobs,
+            "kl": terms.kl,
+            "entropy": terms.entropy,
+            "reward": [x if math.isfinite(x) else None for x in reward],
+        },
+        schemas.SCORES,
+        what,
+    )
 
 
 @task(name=SCORE.name, cache_policy=NO_CACHE)
@@ -64,45 +132,21 @@ def score_stage(run_dir: str, iteration: int) -> str:
             embeddings = embedded.tolist()
 
         res.ensure_version(iteration - 1)  # the weights that sampled this batch
-        policy_lp, reference_lp, kl, entropy = [], [], [], []
-        step = cfg.training.micro_batch_size
-        for start in range(0, len(completion_ids), step):
-            p, c = prompt_ids[start : start + step], completion_ids[start : start + step]
-            # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T)
-            pol, ref, ent, mask = policy_entropy_reference_logprobs(res.policy, p, c)
-            kl.extend(sequence_kl(pol, ref, mask).tolist())
-            entropy.extend(masked_mean(ent, mask, dim=1).tolist())
-            for b, ids in enumerate(c):
-                policy_lp.append(pol[b, : len(ids)].tolist())
-                reference_lp.append(ref[b, : len(ids)].tolist())
+        # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T)
+        terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)
         refusal = [bool(s.refusal) for s in scored]
         weights = r.weights
         reward = [
             composite_reward(RewardTerms(t, rep, k, nov, ref, ent), weights)
-            for t, rep, k, nov, ref, ent in zip(toxicity, repetition, kl, novelty, refusal, entropy, strict=True)
+            for t, rep, k, nov, ref, ent in zip(
+                toxicity, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True
+            )
         ]
-        table = schemas.to_table(
-            {
-                **{k: rollouts[k] for k in schemas.KEY_COLUMNS},
-                "toxicity": toxicity,
-                "scorer_name": [info.name] * n,
-                "scorer_revision": [info.revision] * n,
-                "scorer_kind": [info.kind] * n,
-                "categories": [list(s.categories) for s in scored],
-                "refusal": refusal,
-                "novelty": novelty,
-                "embedding": embeddings,
-                "repetition_ratio": repetition,
-                "policy_logprobs": policy_lp,
-                "reference_logprobs": reference_lp,
-                "kl": kl,
-                "entropy": entropy,
-                "reward": [x if math.isfinite(x) else None for x in reward],
-            },
-            schemas.SCORES,
-            "scores",
+        categories = [list(s.categories) for s in scored]
+        table = scores_table(
+            rollouts, toxicity, info, categories, refusal, novelty, embeddings, repetition, terms, reward, "scores"
         )
         truncated = [bool(s.truncated) for s in scored]
-        return table, score_stats(toxicity, repetition, novelty, refusal, kl, truncated)
+        return table, score_stats(toxicity, repetition, novelty, refusal, terms.kl, truncated)
 
     return run_table_stage(res.run, SCORE, iteration, compute)
