@@ -108,6 +108,11 @@ def evaluate_checkpoint(
         raise EvaluationError("num_prompts and samples_per_prompt must be at least 1")
     run = RunDir.open(Path(run_dir))
     cfg = run.stored_config()
+    if cfg.run.mode == "sft":
+        raise EvaluationError(
+            f"{run.run_id} is an SFT run: its held-out loss is in sft_metrics.parquet (redteam-grpo inspect); "
+            "evaluate the defense run that uses it as its attacker"
+        )
     iteration = choose_checkpoint(run, iteration)
     name = checkpoint_name(iteration)
     log = stage_logger()

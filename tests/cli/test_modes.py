@@ -47,3 +47,20 @@ def test_push_to_hub_is_refused_on_an_offline_run_before_anything_runs(tmp_path)
     assert result.exit_code == 2
     assert "--push-to-hub needs the network" in result.output
     assert not any(tmp_path.iterdir())
+
+
+def test_evaluating_an_sft_run_says_where_its_measure_is(tmp_path):
+    import json
+
+    from redteam_grpo.storage.rundir import RunDir
+    from redteam_grpo.tasks.evaluate import EvaluationError, evaluate_checkpoint
+
+    cfg = load_config(None, [f"run.runs_dir={tmp_path}", "run.run_id=attacker"], mode="sft")
+    run = RunDir.create(cfg)
+    assert json.loads(run.config_path.read_text())["run"]["mode"] == "sft"
+    try:
+        evaluate_checkpoint.fn(str(run.root), None, 2, 2, 0.5, 0)
+    except EvaluationError as exc:
+        assert "SFT run" in str(exc) and "sft_metrics.parquet" in str(exc)
+    else:
+        raise AssertionError("an SFT run was evaluated as a red-team run")
