@@ -1,8 +1,8 @@
 """Policy model: a base causal LM with a LoRA adapter per role; the reference is the same model, adapters disabled.
 
-One copy of the base weights serves every role: the trained adapter (`default`: the red-team policy, or the
-defender), optionally an attacker's adapter (`ATTACKER`, defense mode), and the reference, which cannot drift
-from the base or pick up adapter weights. Only the active adapter's parameters require gradients, and a role
+One copy of the base weights serves every role (`core/roles.py`): the trained adapter (`default`: the red-team
+policy, or the defender), optionally an attacker's adapter (`ATTACKER`, defense mode), and the reference, which
+cannot drift from the base or pick up adapter weights. Only the active adapter's parameters require gradients, and a role
 is active only inside `policy.role(name)`, so an optimizer built on `trainable_parameters()` outside it holds the
 default adapter alone. The model is kept in eval mode for every forward, so LoRA dropout never makes the
 logprobs of the same tokens differ between sampling and training (the importance ratio stays exactly 1 on the
@@ -28,12 +28,11 @@ from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.logprobs import SamplingDistribution
 from redteam_grpo.core.masks import gather_completion_logits, pack_sequences
 from redteam_grpo.core.quantization import check_attn_implementation, quantization_config
+from redteam_grpo.core.roles import DEFAULT_ROLE
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_ROLE = "default"  # the adapter a run trains (peft's default adapter name)
-ATTACKER = "attacker"  # defense mode: the attacker's adapter on the same base
 
 
 class PolicyError(RuntimeError):

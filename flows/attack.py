@@ -158,25 +158,23 @@ def requested_config(
     its stored config, not the defaults; a resumed run must be of the flow's mode."""
     if config is not None and (config_path or overrides):
         raise ConfigError("give either config (a dict) or config_path/overrides, not both")
-    if resume is not None:
-        stored_mode = RunDir.open(Path(resume)).stored_config().run.mode
-        if stored_mode != mode:
-            raise ConfigError(f"{resume} is a {stored_mode} run: resume it with `redteam-grpo {_COMMAND[stored_mode]}`")
+    stored = RunDir.open(Path(resume)).stored_config() if resume is not None else None
+    if stored is not None and stored.run.mode != mode:
+        raise ConfigError(
+            f"{resume} is a {stored.run.mode} run: resume it with `redteam-grpo {MODE_COMMANDS[stored.run.mode]}`"
+        )
     requested = None
     if config is not None:
         requested = validate_config(merged_config(mode_defaults(mode), config))
     elif config_path or overrides:
-        base = RunDir.open(Path(resume)).stored_config().model_dump(mode="json") if resume is not None else None
+        base = stored.model_dump(mode="json") if stored is not None else None
         requested = load_config(Path(config_path) if config_path else None, list(overrides or []), base, mode)
     if requested is not None and requested.run.mode != mode:
         raise ConfigError(
             f"run.mode is {requested.run.mode}, but this is the {mode} flow: run it with "
-            f"`redteam-grpo {_COMMAND[requested.run.mode]}` (or leave run.mode out)"
+            f"`redteam-grpo {MODE_COMMANDS[requested.run.mode]}` (or leave run.mode out)"
         )
     return requested
-
-
-_COMMAND = MODE_COMMANDS
 
 
 # What a stop signal raises in a flow: Prefect's SIGTERM handler TerminationSignal, Python's SIGINT handler

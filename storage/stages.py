@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.storage import checkpoints, schemas
 
 
@@ -133,7 +134,7 @@ class Learner:
     the checkpoint files of its adapter and optimizer. Red-team and defense runs train `POLICY` (the default
     adapter: the attacked model, or the defender); self-play also trains `ATTACKER_LEARNER`."""
 
-    role: str  # the adapter's name on the policy (core/policy.py: DEFAULT_ROLE, ATTACKER)
+    role: str  # the adapter's name on the policy (core/roles.py)
     rollouts: Stage
     scores: Stage
     advantages: Stage
@@ -144,7 +145,7 @@ class Learner:
 
 POLICY = Learner("default", SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, checkpoints.ADAPTER_FILE, checkpoints.OPTIMIZER_FILE)
 ATTACKER_LEARNER = Learner(
-    "attacker",
+    ATTACKER,
     ATTACK,
     ATTACK_SCORE,
     ATTACK_ADVANTAGE,

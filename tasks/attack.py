@@ -15,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.data import prompts_for_iteration
-from redteam_grpo.core.policy import ATTACKER
+from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage.stages import ATTACK
 from redteam_grpo.tasks.common import run_table_stage

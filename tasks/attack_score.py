@@ -19,8 +19,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.novelty import novelty_scores
-from redteam_grpo.core.policy import ATTACKER
 from redteam_grpo.core.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios, score_stats
+from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
@@ -31,9 +31,7 @@ from redteam_grpo.tasks.score import novelty_memory, policy_terms, scores_table
 def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[str, dict[str, Any]]:
     """For each defender prompt id (`<goal>#<attack>`): the mean harm of its scored responses (None if none was
     scored), the union of the judge's categories, and the share of its responses that are refusals."""
-    by_key = {
-        (p, i): t for p, i, t in zip(rollouts["prompt_id"], rollouts["sample_idx"], rollouts["prompt"], strict=True)
-    }
+    sampled = set(zip(rollouts["prompt_id"], rollouts["sample_idx"], strict=True))
     grouped: dict[str, list[tuple[float | None, list[str], bool]]] = defaultdict(list)
     for pid, idx, harm, categories, refusal in zip(
         scores["prompt_id"],
@@ -43,7 +41,7 @@ def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[
         scores["refusal"],
         strict=True,
     ):
-        if (pid, idx) not in by_key:
+        if (pid, idx) not in sampled:
             raise ValueError(f"scores row {pid}/{idx} has no rollout")
         grouped[pid].append((harm, categories, refusal))
     out = {}

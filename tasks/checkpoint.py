@@ -9,8 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.policy import ATTACKER
-from redteam_grpo.core.train import make_optimizer
+from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.rundir import INIT_VERSION
@@ -40,6 +39,13 @@ def _checkpoint_info(res, iteration: int) -> dict:
 _ADAPTER_COMPATIBILITY = ("base_model", "base_revision", "lora")
 
 
+def model_differences(other: dict, ours: dict, whose: str) -> str:
+    """What makes another checkpoint's adapter unloadable into this run's policy ('' when nothing): its base
+    model, revision or LoRA shape, each with `whose` value and this run's."""
+    differing = [key for key in _ADAPTER_COMPATIBILITY if other.get(key) != ours[key]]
+    return "; ".join(f"{key}: {whose} {other.get(key)!r}, this run {ours[key]!r}" for key in differing)
+
+
 def parent_adapter(res, ours: dict) -> tuple[Path, str] | None:
     """The adapter file a lineage run starts from and its checkpoint folder, checked against this run's model
     (`ours`: this run's checkpoint info)."""
@@ -54,9 +60,8 @@ def parent_adapter(res, ours: dict) -> tuple[Path, str] | None:
             f"run {res.run.run_id} continues lineage {record.lineage!r} from {folder}, which is unusable: {exc}. "
             "Restore that checkpoint (the parent run must sit beside this one), or start a new run of the lineage."
         ) from None
-    differing = [key for key in _ADAPTER_COMPATIBILITY if parent.get(key) != ours[key]]
-    if differing:
-        detail = "; ".join(f"{key}: parent {parent.get(key)!r}, this run {ours[key]!r}" for key in differing)
+    detail = model_differences(parent, ours, "parent")
+    if detail:
         raise LineageError(
             f"lineage {record.lineage!r}: the parent checkpoint {folder} was trained with a different model "
             f"({detail}). Use the parent's model settings, or start a new lineage (run.lineage)."
@@ -64,21 +69,27 @@ def parent_adapter(res, ours: dict) -> tuple[Path, str] | None:
     return folder / checkpoints.ADAPTER_FILE, f"{record.parent_run}/checkpoints/{folder.name}"
 
 
+def attacker_checkpoint(cfg) -> tuple[Path, dict] | None:
+    """Defense: the checkpoint folder of defense.attacker and its manifest (None: the base writes the prompts)."""
+    if cfg.defense.attacker is None:
+        return None
+    try:
+        folder = checkpoints.resolve_adapter_source(Path(cfg.defense.attacker))
+        return folder, checkpoints.read_manifest(folder)
+    except checkpoints.CheckpointError as exc:
+        raise AttackerError(f"defense.attacker {cfg.defense.attacker}: {exc}") from None
+
+
 def attacker_adapter(res) -> tuple[Path | None, dict]:
     """Defense: the attacker's adapter file (None: the base writes the prompts) and what the run records of it,
     checked against this run's model like a lineage parent."""
     cfg = res.config
-    if cfg.defense.attacker is None:
+    found = attacker_checkpoint(cfg)
+    if found is None:
         return None, {"source": None, "system_prompt": cfg.defense.attacker_system_prompt}
-    try:
-        folder = checkpoints.resolve_adapter_source(Path(cfg.defense.attacker))
-        source = checkpoints.read_manifest(folder)
-    except checkpoints.CheckpointError as exc:
-        raise AttackerError(f"defense.attacker {cfg.defense.attacker}: {exc}") from None
-    ours = _checkpoint_info(res, INIT_VERSION)
-    differing = [key for key in _ADAPTER_COMPATIBILITY if source.get(key) != ours[key]]
-    if differing:
-        detail = "; ".join(f"{key}: attacker {source.get(key)!r}, this run {ours[key]!r}" for key in differing)
+    folder, source = found
+    detail = model_differences(source, _checkpoint_info(res, INIT_VERSION), "attacker")
+    if detail:
         raise AttackerError(
             f"defense.attacker {folder} was trained on another base or LoRA shape ({detail}): attacker and defender "
             "share one base model, so train the attacker with this run's model settings"
@@ -89,13 +100,8 @@ def attacker_adapter(res) -> tuple[Path | None, dict]:
 
 def attacker_system_prompt(cfg) -> str:
     """The system prompt the attacker formats goals with: its checkpoint's (as SFT trained it), else the config's."""
-    if cfg.defense.attacker is None:
-        return cfg.defense.attacker_system_prompt
-    try:
-        folder = checkpoints.resolve_adapter_source(Path(cfg.defense.attacker))
-        return checkpoints.read_manifest(folder)["system_prompt"]
-    except checkpoints.CheckpointError as exc:
-        raise AttackerError(f"defense.attacker {cfg.defense.attacker}: {exc}") from None
+    found = attacker_checkpoint(cfg)
+    return cfg.defense.attacker_system_prompt if found is None else found[1]["system_prompt"]
 
 
 class AttackerError(RuntimeError):
@@ -127,10 +133,7 @@ def initialize_stage(run_dir: str) -> str:
         attacker_file, info["attacker"] = attacker_adapter(res)
         if attacker_file is not None:
             res.policy.load_adapter(attacker_file, ATTACKER)
-        res.attacker_version = INIT_VERSION
-        if res.config.defense.self_play:
-            with res.policy.role(ATTACKER):
-                res.attacker_optimizer = make_optimizer(res.policy, res.config.training)
+        # what is saved here is what every stage loads (`RunResources.ensure_attacker`, with its optimizer)
         checkpoints.save_adapter(folder / checkpoints.ATTACKER_FILE, res.policy.adapter_state(ATTACKER))
     checkpoints.write_manifest(folder, info)
     res.version = INIT_VERSION

@@ -30,7 +30,8 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import DataError, Prompt, read_frame
-from redteam_grpo.core.policy import ATTACKER, Policy, load_policy, resolve_device
+from redteam_grpo.core.policy import Policy, load_policy, resolve_device
+from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.core.sampling import sample_completions
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.sft import SftExample, sft_examples, sft_loss

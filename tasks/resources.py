@@ -14,7 +14,8 @@ import torch
 
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data import Prompt, load_prompts
-from redteam_grpo.core.policy import ATTACKER, DEFAULT_ROLE, Policy, load_policy, resolve_device
+from redteam_grpo.core.policy import Policy, load_policy, resolve_device
+from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.core.train import make_optimizer
 from redteam_grpo.storage import checkpoints
@@ -133,9 +134,8 @@ def resources_for(run_dir: str | Path) -> RunResources:
         device = resolve_device(config.run.device)
         policy = load_policy(config.model, config.sampling.temperature, device, config.run.seed)
         if config.run.mode == "defense":
-            policy.add_role(
-                ATTACKER
-            )  # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's is loaded
+            # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's attacker is loaded
+            policy.add_role(ATTACKER)
         _CACHE[root] = RunResources(run, config, device, policy, make_optimizer(policy, config.training))
     return _CACHE[root]
 
