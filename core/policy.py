@@ -2,9 +2,9 @@
 
 One copy of the base weights serves every role (`core/roles.py`): the trained adapter (`default`: the red-team
 policy, or the defender), optionally an attacker's adapter (`ATTACKER`, defense mode), and the reference, which
-cannot drift from the base or pick up adapter weights. Only the active adapter's parameters require gradients, and a role
-is active only inside `policy.role(name)`, so an optimizer built on `trainable_parameters()` outside it holds the
-default adapter alone. The model is kept in eval mode for every forward, so LoRA dropout never makes the
+cannot drift from the base or pick up adapter weights. Only the active adapter's parameters require gradients, and
+a role is active only inside `policy.role(name)`, so an optimizer built on `trainable_parameters()` outside it
+holds the default adapter alone. The model is kept in eval mode for every forward, so LoRA dropout never makes the
 logprobs of the same tokens differ between sampling and training (the importance ratio stays exactly 1 on the
 first update); `lora_dropout` is stored in the adapter config for compatibility only.
 """
