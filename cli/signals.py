@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from redteam_grpo.storage import interrupts, ownership
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import RunDir, command_for
 
 STOP_GRACE_SECONDS = 5.0
 
@@ -40,15 +40,8 @@ def resume_hint(root: Path, signum: int) -> str:
         )
     return (
         f"run {root.name} interrupted by {interrupts.signal_name(signum)}: its completed stages are kept; "
-        f"continue it with: redteam-grpo {_command(root)} --resume {root}"
+        f"continue it with: redteam-grpo {command_for(root)} --resume {root}"
     )
-
-
-def _command(root: Path) -> str:
-    try:
-        return RunDir(root).command
-    except Exception:  # an unreadable config: the hint still names the folder
-        return "run"
 
 
 class StopOnSignal:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from redteam_grpo.storage.rundir import OWNER_FILE, RunDirError
+from redteam_grpo.storage.rundir import OWNER_FILE, RunDirError, command_for
 
 _log = logging.getLogger(__name__)
 # The runs this process owns now, so that a stop that cannot wait for the normal unwinding (cli/signals.py) can
@@ -104,7 +104,7 @@ def _lock_or_refuse(fd: int, root: Path) -> None:
         raise RunOwnedElsewhere(
             f"run {root.name} is owned by {who}: only one process may run its stages. Wait for it to end, or "
             f"stop it (kill -TERM {holder.pid if holder else '<pid>'}: it marks the run interrupted), then "
-            f"continue with: redteam-grpo {_command(root)} --resume {root}"
+            f"continue with: redteam-grpo {command_for(root)} --resume {root}"
         ) from None
 
 
@@ -147,14 +147,3 @@ def owning(root: Path) -> Iterator[RunOwner]:
 def owned_roots() -> list[Path]:
     """The run directories this process owns now."""
     return list(_OWNED)
-
-
-def _command(root: Path) -> str:
-    """The CLI command of the run in `root` (its config's mode), `run` if its config cannot be read."""
-    from redteam_grpo.storage.rundir import MODE_COMMANDS
-
-    try:
-        mode = json.loads((root / "config.json").read_text()).get("run", {}).get("mode", "attack")
-        return MODE_COMMANDS.get(mode, "run")
-    except (OSError, ValueError, AttributeError):
-        return "run"

@@ -60,6 +60,16 @@ OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/o
 _CREATION_LEFTOVERS = ("config.json", OWNER_FILE)
 
 
+def command_for(root: Path) -> str:
+    """The CLI command that runs and resumes the run in `root`, by its config's run.mode; `run` when the config cannot
+    be read (a hint must not fail: it still names the folder)."""
+    try:
+        mode = json.loads((root / "config.json").read_text()).get("run", {}).get("mode", "attack")
+    except (OSError, ValueError, AttributeError):
+        return "run"
+    return MODE_COMMANDS.get(mode, "run")
+
+
 def checkpoint_name(version: int) -> str:
     """`init` for the adapter a run starts from, `iter_0007` for the one after iteration 7's update."""
     return "init" if version < 0 else f"iter_{version:04d}"
@@ -253,7 +263,7 @@ class RunDir:
     @property
     def command(self) -> str:
         """The CLI command that runs (and resumes) this run's mode."""
-        return MODE_COMMANDS[self.stored_config().run.mode]
+        return command_for(self.root)
 
     @property
     def update_stage(self) -> Stage:
