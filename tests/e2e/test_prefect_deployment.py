@@ -81,14 +81,24 @@ def _prefect(env, *args, timeout=300) -> str:
     return result.stdout
 
 
+def _call(method: str, url: str, **kwargs):
+    """One API call, retried like Prefect's own client does: the server answers 503 for errors a client may retry
+    (SQLite busy while a worker writes), and 429/502 likewise."""
+    for attempt in range(8):
+        response = httpx.request(method, url, timeout=30, **kwargs)
+        if response.status_code not in (429, 502, 503):
+            return response.raise_for_status().json()
+        time.sleep(min(2**attempt, 10))
+    return response.raise_for_status().json()
+
+
 def _deployments(api) -> dict[str, dict]:
-    found = httpx.post(f"{api}/deployments/filter", json={}).raise_for_status().json()
-    return {d["name"]: d for d in found}
+    return {d["name"]: d for d in _call("POST", f"{api}/deployments/filter", json={})}
 
 
 def _trigger(api, deployment: dict, parameters: dict) -> str:
     url = f"{api}/deployments/{deployment['id']}/create_flow_run"
-    return httpx.post(url, json={"parameters": parameters}).raise_for_status().json()["id"]
+    return _call("POST", url, json={"parameters": parameters})["id"]
 
 
 def _work_off(api, env, flow_run_ids: list[str]) -> None:
@@ -96,7 +106,7 @@ def _work_off(api, env, flow_run_ids: list[str]) -> None:
     deadline = time.monotonic() + 480
     states = {}
     while time.monotonic() < deadline:
-        states = {i: httpx.get(f"{api}/flow_runs/{i}").raise_for_status().json()["state"]["type"] for i in flow_run_ids}
+        states = {i: _call("GET", f"{api}/flow_runs/{i}")["state"]["type"] for i in flow_run_ids}
         if all(s in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for s in states.values()):
             break
         _prefect(env, "worker", "start", "--pool", "redteam-grpo", "--run-once", "--limit", "4")
