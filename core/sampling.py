@@ -1,10 +1,19 @@
-"""Sampling completions with transformers `generate`, recording each token's logprob as it is drawn.
+"""Sampling completions with transformers `generate`, drawing each token ourselves and recording its logprob as it is
+drawn.
 
-`generate` gets a fresh GenerationConfig (temperature 1, top_k 0, top_p 1: the model's own generation config,
-which may carry a hidden top-k, is not used) and one logits processor, `SamplingDistribution.process`, which
-the trainer replays. After sampling, the processed scores `generate` returned are checked against that
-function applied to the raw logits: if anything else touched the distribution the stage fails instead of
-training on a wrong ratio.
+`generate` runs the model (KV cache, left padding, stopping); the token is drawn by one logits processor,
+`_StepwiseDraw`, from `SamplingDistribution.process` (the function the trainer replays) applied to the model's own
+logits of that step, read by a forward hook, not to the scores `generate` hands the processor: so no processor
+`generate` adds before ours (a repetition penalty, a minimum length, suppressed tokens from a model's generation
+config) can change the distribution. The processor hands `generate` a one-hot distribution on the drawn token,
+which no warper after ours (top-k, top-p, min-p, temperature from a generation config) can change either: `generate`
+"samples" from it and can only keep that token. After each batch the tokens `generate` kept are checked against the
+tokens drawn: a mismatch fails the stage instead of training on a wrong ratio.
+
+Memory: the bookkeeping is one token id and one logprob per sequence and step, O(batch x steps); the only
+vocabulary-wide tensors are the current step's ([batch, vocab], freed at the next step). `generate` is asked for
+neither its per-step scores nor its logits, which for Qwen3-4B's 151,936-token vocabulary at batch 64 x 256
+tokens would be 10 GB each.
 """
 
 from __future__ import annotations
@@ -15,10 +24,9 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from redteam_grpo.core.logprobs import SamplingDistribution
 from redteam_grpo.core.masks import split_generated
 from redteam_grpo.core.policy import Policy
-
-LOGPROB_CHECK_TOLERANCE = 1e-4
 
 
 class SamplingError(RuntimeError):
@@ -34,12 +42,30 @@ class Completion:
     finish_reason: str  # "stop" (end-of-turn token) or "length" (max_new_tokens reached)
 
 
-class _DistributionProcessor(LogitsProcessor):
-    def __init__(self, process):
-        self.process = process
+class _StepwiseDraw(LogitsProcessor):
+    """Draws the next token of every row from `distribution` applied to the model's logits of the step and records
+    its id and logprob; returns a one-hot distribution on it, so `generate` keeps exactly that token."""
+
+    def __init__(self, distribution: SamplingDistribution, generator: torch.Generator):
+        self.distribution = distribution
+        self.generator = generator
+        self.model_logits_B_V: torch.Tensor | None = None
+        self.tokens: list[torch.Tensor] = []  # one [B] per step
+        self.logprobs: list[torch.Tensor] = []  # one [B] per step
+
+    def record_model_logits(self, module, args, output) -> None:
+        """Forward hook on the causal LM: its logits at the last position, as `generate` reads them."""
+        self.model_logits_B_V = output.logits[:, -1].float()
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return self.process(scores)
+        if self.model_logits_B_V is None or self.model_logits_B_V.shape != scores.shape:
+            raise SamplingError("the sampler did not see the model's logits of this step; it cannot draw a token")
+        logprobs_B_V = self.distribution.logprobs(self.model_logits_B_V)
+        self.model_logits_B_V = None  # each step's logits are used once
+        token_B_1 = torch.multinomial(logprobs_B_V.exp(), 1, generator=self.generator)
+        self.tokens.append(token_B_1[:, 0].cpu())
+        self.logprobs.append(logprobs_B_V.gather(-1, token_B_1)[:, 0].cpu())
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token_B_1, 0.0)
 
 
 def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +76,21 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
         ids[b, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
         mask[b, width - len(row) :] = 1
     return ids, mask
+
+
+def generation_config(policy: Policy, max_new_tokens: int) -> GenerationConfig:
+    """Sampling settings neutral and explicit, so none is taken from the model's own generation config; whatever
+    else it sets acts on the one-hot the sampler hands back, where it cannot change the token."""
+    return GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=policy.end_of_turn_ids,
+        pad_token_id=policy.pad_id,
+        return_dict_in_generate=False,  # no per-step scores or logits kept: O(batch x steps x vocab)
+    )
 
 
 @torch.no_grad()
@@ -64,56 +105,40 @@ def sample_completions(
     """G completions for every prompt; deterministic for a given seed and weights."""
     policy.require_eval_mode()
     jobs = [(p, g) for p in range(len(prompt_ids)) for g in range(group_size)]
-    generation_config = GenerationConfig(
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=policy.end_of_turn_ids,
-        pad_token_id=policy.pad_id,
-        output_scores=True,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    processors = LogitsProcessorList([_DistributionProcessor(policy.distribution.process)])
+    config = generation_config(policy, max_new_tokens)
+    generator = torch.Generator(policy.device).manual_seed(seed)
+    causal_lm = policy.model.get_base_model()  # the module `generate` runs, under the adapters
     completions: list[Completion] = []
-    with torch.random.fork_rng(devices=[policy.device] if policy.device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        for start in range(0, len(jobs), batch_size):
-            chunk = jobs[start : start + batch_size]
-            ids, mask = _left_pad([prompt_ids[p] for p, _ in chunk], policy.pad_id)
-            out = policy.model.generate(
-                input_ids=ids.to(policy.device),
-                attention_mask=mask.to(policy.device),
-                generation_config=generation_config,
-                logits_processor=processors,
-            )
-            sequences = out.sequences.cpu()
-            pieces, reasons = split_generated(sequences, ids.shape[1], policy.end_of_turn_ids)
-            recorded_S_B = _recorded_logprobs(out.scores, sequences[:, ids.shape[1] :])
-            replayed_S_B = _recorded_logprobs(
-                tuple(policy.distribution.process(step) for step in out.logits), sequences[:, ids.shape[1] :]
-            )
-            for b, ((p, g), piece, reason) in enumerate(zip(chunk, pieces, reasons, strict=True)):
-                recorded = recorded_S_B[: len(piece), b]
-                if not torch.isfinite(recorded).all():
-                    raise SamplingError(f"a sampled token has probability 0 under the recorded distribution: {piece}")
-                drift = (recorded - replayed_S_B[: len(piece), b]).abs().max().item() if piece else 0.0
-                if drift > LOGPROB_CHECK_TOLERANCE:
-                    raise SamplingError(
-                        f"generate changed the sampling distribution beyond temperature and token suppression "
-                        f"(logprob drift {drift:.2e}); the trainer could not replay it. Check the model's "
-                        "generation config and the sampling settings."
-                    )
-                completions.append(Completion(p, g, piece, recorded.tolist(), reason))
+    forked = (
+        [policy.device] if policy.device.type == "cuda" else []
+    )  # generate's draw on the one-hot uses the global RNG
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        ids, mask = _left_pad([prompt_ids[p] for p, _ in chunk], policy.pad_id)
+        draw = _StepwiseDraw(policy.distribution, generator)
+        hook = causal_lm.register_forward_hook(draw.record_model_logits)
+        try:
+            with torch.random.fork_rng(devices=forked):
+                sequences = policy.model.generate(
+                    input_ids=ids.to(policy.device),
+                    attention_mask=mask.to(policy.device),
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([draw]),
+                ).cpu()
+        finally:
+            hook.remove()
+        pieces, reasons = split_generated(sequences, ids.shape[1], policy.end_of_turn_ids)
+        drawn_S_B = torch.stack(draw.tokens) if draw.tokens else torch.zeros((0, len(chunk)), dtype=torch.long)
+        logprobs_S_B = torch.stack(draw.logprobs) if draw.logprobs else torch.zeros((0, len(chunk)))
+        for b, ((p, g), piece, reason) in enumerate(zip(chunk, pieces, reasons, strict=True)):
+            if drawn_S_B[: len(piece), b].tolist() != piece:
+                raise SamplingError(
+                    "generate kept other tokens than the sampler drew (something after the sampler's logits processor "
+                    "changed the distribution); the trainer could not replay them. Check the model's generation "
+                    "config and the sampling settings."
+                )
+            recorded = logprobs_S_B[: len(piece), b]
+            if not torch.isfinite(recorded).all():
+                raise SamplingError(f"a sampled token has probability 0 under the recorded distribution: {piece}")
+            completions.append(Completion(p, g, piece, recorded.tolist(), reason))
     return completions
-
-
-def _recorded_logprobs(step_scores: tuple[torch.Tensor, ...], generated_B_S: torch.Tensor) -> torch.Tensor:
-    """log_softmax of each step's scores at the token drawn at that step: [S, B]."""
-    rows = []
-    for s, scores_B_V in enumerate(step_scores):
-        logprobs = torch.log_softmax(scores_B_V.float().cpu(), dim=-1)
-        rows.append(logprobs.gather(-1, generated_B_S[:, s : s + 1]).squeeze(-1))
-    return torch.stack(rows) if rows else torch.zeros((0, generated_B_S.shape[0]))

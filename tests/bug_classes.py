@@ -87,11 +87,18 @@ BUG_CLASSES = [
         "tests/core/test_policy_invariants.py::test_first_update_ratio_is_one_and_kl_is_zero",
     ),
     (
+        "sampler-keeps-every-steps-vocabulary",
+        "core/sampling.py",
+        "self.model_logits_B_V = None  # each step's logits are used once",
+        'self.__dict__.setdefault("kept", []).append(logprobs_B_V)',
+        "tests/core/test_sampling_memory.py",
+    ),
+    (
         "hidden-top-k",
         "core/sampling.py",
-        "        top_k=0,\n",
-        "",
-        "tests/core/test_policy_invariants.py::test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling",
+        'return torch.full_like(scores, float("-inf")).scatter_(-1, token_B_1, 0.0)',
+        "return scores",
+        "tests/core/test_policy_invariants.py::test_sampling_settings_of_the_models_generation_config_do_not_reach_the_draw",
     ),
     (
         "repetition-counts-prompt",
@@ -173,9 +180,9 @@ BUG_CLASSES = [
     (
         "unreplayed-sampling-settings",
         "core/sampling.py",
-        "        top_p=1.0,\n",
-        "        top_p=0.9,\n",
-        "tests/core/test_policy_invariants.py::test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling",
+        "logprobs_B_V = self.distribution.logprobs(self.model_logits_B_V)",
+        "logprobs_B_V = self.distribution.logprobs(scores)",
+        "tests/core/test_policy_invariants.py::test_sampling_settings_of_the_models_generation_config_do_not_reach_the_draw",
     ),
     (
         "adapter-partly-optimized",

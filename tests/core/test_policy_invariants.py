@@ -146,28 +146,43 @@ def test_policy_without_trainable_parameters_is_refused(embedded_assets):
         load_policy(ModelConfig(lora_target_modules=["no_such_layer"]), 1.0, torch.device("cpu"), 0)
 
 
-def test_a_top_k_in_the_models_generation_config_does_not_leak_into_sampling(tiny_policy):
-    # transformers samples from the top 50 tokens when the generation config says so (its old default).
-    tiny_policy.model.generation_config.top_k = 50
-    tiny_policy.model.base_model.model.generation_config.top_k = 50
-    prompt_ids, completions = _sample(tiny_policy)
+def test_sampling_settings_of_the_models_generation_config_do_not_reach_the_draw(tiny_policy):
+    prompt_ids, plain = _sample(tiny_policy)
+    # What a hub model's generation_config.json may carry, and transformers' generate would otherwise apply (an old
+    # default top-k 50, nucleus, min-p, a repetition penalty, a minimum length, typical and epsilon sampling).
+    for config in (tiny_policy.model.generation_config, tiny_policy.model.get_base_model().generation_config):
+        config.update(
+            top_k=5, top_p=0.3, min_p=0.2, repetition_penalty=3.0, min_new_tokens=12, typical_p=0.2, epsilon_cutoff=0.1
+        )
+    _, configured = _sample(tiny_policy)
+    assert [c.completion_ids for c in configured] == [c.completion_ids for c in plain]
     stats = policy_gradient_step(
-        tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), _batch(prompt_ids, completions), TrainingConfig()
+        tiny_policy, make_optimizer(tiny_policy, TrainingConfig()), _batch(prompt_ids, configured), TrainingConfig()
     )
     assert stats.first_ratio_abs_dev < 1e-5
 
 
-def test_sampler_refuses_a_distribution_the_trainer_would_not_replay(tiny_policy, monkeypatch):
+def test_sampler_refuses_tokens_it_did_not_draw(tiny_policy, monkeypatch):
     from redteam_grpo.core import sampling
 
-    def truncated_top_k(self, input_ids, scores):
-        processed = self.process(scores)
-        kth = processed.topk(5, dim=-1).values[:, -1:]
-        return processed.masked_fill(processed < kth, float("-inf"))
+    def let_generate_draw(self, input_ids, scores):  # the scores of generate's own pipeline, not the one-hot
+        sampling_step(self, input_ids, scores)
+        return self.distribution.process(scores)
 
-    monkeypatch.setattr(sampling._DistributionProcessor, "__call__", truncated_top_k)
-    with pytest.raises(sampling.SamplingError, match="changed the sampling distribution"):
+    sampling_step = sampling._StepwiseDraw.__call__
+    monkeypatch.setattr(sampling._StepwiseDraw, "__call__", let_generate_draw)
+    with pytest.raises(sampling.SamplingError, match="kept other tokens than the sampler drew"):
         _sample(tiny_policy)
+
+
+def test_generate_keeps_no_per_step_vocabulary_tensors(tiny_policy, monkeypatch):
+    seen = []
+    generate = tiny_policy.model.generate
+    monkeypatch.setattr(
+        tiny_policy.model, "generate", lambda **kw: seen.append(kw["generation_config"]) or generate(**kw)
+    )
+    _sample(tiny_policy)
+    assert seen and all(not (c.return_dict_in_generate and (c.output_scores or c.output_logits)) for c in seen)
 
 
 def test_lora_dropout_does_not_make_the_first_ratio_noisy(embedded_assets):
