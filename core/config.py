@@ -122,6 +122,14 @@ class TrainingConfig(_Section):
     """Optimizer steps on each sampled batch. The first one is on-policy (ratio = 1)."""
     micro_batch_size: int = Field(64, gt=0)
     """Sequences per forward/backward; gradients are accumulated over the batch."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Padded tokens per forward/backward (sequences x the longest prompt + completion among them), with sequences
+    grouped by length, longest first, so short ones are not padded to long ones; micro_batch_size still caps the
+    sequences. None: runs of micro_batch_size in batch order. The gradient is the same either way (core/batching.py).
+    Also used by the score stage's forwards."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them: activation memory of one
+    layer instead of all, for about one more forward of compute. The gradient is the same."""
     scale_by_group_std: bool = False
     """Divide advantages by the group's reward std (original GRPO). Off in the reference system."""
     batch_zscore: bool = True

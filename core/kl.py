@@ -60,6 +60,17 @@ def policy_entropy_reference_logprobs(
 
 
 @torch.no_grad()
+def reference_logprobs(
+    policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi_ref,T(y) of every completion token (adapters off, the sampling distribution) and the mask: [B, C] on the
+    CPU; for a caller that has the policy's side from the sampler."""
+    with policy.reference():
+        reference_lp_B_C, mask_B_C = _sampled_logprobs(policy, prompt_ids, completion_ids)
+    return reference_lp_B_C.cpu(), mask_B_C.cpu()
+
+
+@torch.no_grad()
 def policy_reference_logprobs(
     policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

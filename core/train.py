@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from redteam_grpo.core.batching import checkpointed_layers, micro_batches
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.logprobs import entropy, pad_ragged, token_logprobs
 from redteam_grpo.core.loss import (
@@ -153,69 +154,73 @@ def policy_gradient_step(
         return UpdateStats(0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan)
 
     compute_loss = loss_function(cfg)
-    micro_batches = [rows[s : s + cfg.micro_batch_size] for s in range(0, len(rows), cfg.micro_batch_size)]
+    lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
+    batches = micro_batches(rows, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)
     trainer_old: list[torch.Tensor] = []  # truncated IS: the first update's logprobs, one tensor per micro-batch
     params = policy.trainable_parameters()
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     first: dict[str, float] = {}
-    for update in range(cfg.updates_per_batch):
-        optimizer.zero_grad(set_to_none=True)
-        loss_total, entropy_sum = 0.0, 0.0
-        stats, sampler_stats = LossStats(), LossStats()
-        for k, mb_rows in enumerate(micro_batches):
-            logits_B_C_V, ids_B_C, mask_B_C = completion_logits(
-                policy, [batch.prompt_ids[i] for i in mb_rows], [batch.completion_ids[i] for i in mb_rows]
-            )
-            logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
-            logprobs_B_C = token_logprobs(logprobs_B_C_V, ids_B_C)
-            sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in mb_rows], ids_B_C.shape[1]).to(policy.device)
-            advantages_B = torch.tensor(
-                [batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device
-            )
-            weights_B_C = token_weights(
-                mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_new_tokens
-            ).to(policy.device)
-            if cfg.truncated_is_cap is None:
-                old_B_C = sample_B_C
-            else:
+    with checkpointed_layers(policy.model, cfg.gradient_checkpointing):
+        for update in range(cfg.updates_per_batch):
+            optimizer.zero_grad(set_to_none=True)
+            loss_total, entropy_sum = 0.0, 0.0
+            stats, sampler_stats = LossStats(), LossStats()
+            for k, mb_rows in enumerate(batches):
+                logits_B_C_V, ids_B_C, mask_B_C = completion_logits(
+                    policy, [batch.prompt_ids[i] for i in mb_rows], [batch.completion_ids[i] for i in mb_rows]
+                )
+                logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
+                logprobs_B_C = token_logprobs(logprobs_B_C_V, ids_B_C)
+                sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in mb_rows], ids_B_C.shape[1]).to(policy.device)
+                advantages_B = torch.tensor(
+                    [batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device
+                )
+                weights_B_C = token_weights(
+                    mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_new_tokens
+                ).to(policy.device)
+                if cfg.truncated_is_cap is None:
+                    old_B_C = sample_B_C
+                else:
+                    if update == 0:
+                        trainer_old.append(logprobs_B_C.detach())
+                    old_B_C = trainer_old[k]
+                    weights_B_C = weights_B_C * truncated_is_weights(
+                        old_B_C, sample_B_C, mask_B_C, cfg.truncated_is_cap
+                    )
+                loss, mb_stats = compute_loss(logprobs_B_C, old_B_C, advantages_B, weights_B_C, mask_B_C)
+                loss.backward()
+                loss_total += float(loss.detach())
+                stats = stats + mb_stats
                 if update == 0:
-                    trainer_old.append(logprobs_B_C.detach())
-                old_B_C = trainer_old[k]
-                weights_B_C = weights_B_C * truncated_is_weights(old_B_C, sample_B_C, mask_B_C, cfg.truncated_is_cap)
-            loss, mb_stats = compute_loss(logprobs_B_C, old_B_C, advantages_B, weights_B_C, mask_B_C)
-            loss.backward()
-            loss_total += float(loss.detach())
-            stats = stats + mb_stats
+                    # trainer vs sampler: the loss's own ratio, unless truncated IS moved its denominator
+                    sampler_stats = sampler_stats + (
+                        mb_stats if cfg.truncated_is_cap is None else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
+                    )
+                    entropy_B_C = entropy(logprobs_B_C_V.detach())
+                    entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if update == 0:
-                # trainer vs sampler: the loss's own ratio, unless truncated IS moved its denominator
-                sampler_stats = sampler_stats + (
-                    mb_stats if cfg.truncated_is_cap is None else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
-                )
-                entropy_B_C = entropy(logprobs_B_C_V.detach())
-                entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if update == 0:
-            deviation = sampler_stats.ratio_abs_dev
-            if deviation > cfg.ratio_tolerance:
-                raise RatioCheckError(
-                    f"first-update importance ratio deviates from 1 by {deviation:.2e} on average "
-                    f"(tolerance {cfg.ratio_tolerance}): the trainer does not see the distribution the tokens "
-                    "were sampled from. The batch was not trained on."
-                )
-            first = {
-                "loss": loss_total,
-                "sampler_kl": sampler_stats.kl,
-                "ratio_mean": sampler_stats.ratio_mean,
-                "ratio_std": sampler_stats.ratio_std,
-                "ratio_max": sampler_stats.ratio_max,
-                "first_ratio_abs_dev": deviation,
-                "clip_fraction": stats.clip_fraction,
-                "grad_norm": grad_norm,
-                "entropy": entropy_sum / n_tokens,
-            }
-        if not math.isfinite(grad_norm):
-            raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")
-        optimizer.step()
+                deviation = sampler_stats.ratio_abs_dev
+                if deviation > cfg.ratio_tolerance:
+                    raise RatioCheckError(
+                        f"first-update importance ratio deviates from 1 by {deviation:.2e} on average "
+                        f"(tolerance {cfg.ratio_tolerance}): the trainer does not see the distribution the tokens "
+                        "were sampled from. The batch was not trained on."
+                    )
+                first = {
+                    "loss": loss_total,
+                    "sampler_kl": sampler_stats.kl,
+                    "ratio_mean": sampler_stats.ratio_mean,
+                    "ratio_std": sampler_stats.ratio_std,
+                    "ratio_max": sampler_stats.ratio_max,
+                    "first_ratio_abs_dev": deviation,
+                    "clip_fraction": stats.clip_fraction,
+                    "grad_norm": grad_norm,
+                    "entropy": entropy_sum / n_tokens,
+                }
+            if not math.isfinite(grad_norm):
+                raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")
+            optimizer.step()
     return UpdateStats(
         **first,
         n_tokens=float(n_tokens),

@@ -14,8 +14,9 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.kl import policy_entropy_reference_logprobs, sequence_kl
-from redteam_grpo.core.logprobs import masked_mean
+from redteam_grpo.core.batching import micro_batches
+from redteam_grpo.core.kl import policy_entropy_reference_logprobs, reference_logprobs, sequence_kl
+from redteam_grpo.core.logprobs import masked_mean, pad_ragged
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.policy import Policy
 from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
@@ -43,7 +44,8 @@ def novelty_memory(
 @dataclass
 class PolicyTerms:
     """Per completion, under the sampling distribution of the active adapter and of the base (adapters off): the
-    logprobs of its tokens on both sides, the mean per-token k3 KL(policy_T || base_T) and the mean entropy."""
+    logprobs of its tokens on both sides, the mean per-token k3 KL(policy_T || base_T) and the mean entropy (NaN when
+    the sampler's logprobs stood in for the policy's forward, which alone gives the entropy)."""
 
     policy_logprobs: list[list[float]] = field(default_factory=list)
     reference_logprobs: list[list[float]] = field(default_factory=list)
@@ -52,18 +54,35 @@ class PolicyTerms:
 
 
 def policy_terms(
-    policy: Policy, prompt_ids: list[list[int]], completion_ids: list[list[int]], micro_batch_size: int
+    policy: Policy,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    micro_batch_size: int,
+    sampled_logprobs: list[list[float]] | None = None,
+    micro_batch_tokens: int | None = None,
 ) -> PolicyTerms:
-    terms = PolicyTerms()
-    for start in range(0, len(completion_ids), micro_batch_size):
-        p, c = prompt_ids[start : start + micro_batch_size], completion_ids[start : start + micro_batch_size]
-        pol, ref, ent, mask = policy_entropy_reference_logprobs(policy, p, c)
-        terms.kl.extend(sequence_kl(pol, ref, mask).tolist())
-        terms.entropy.extend(masked_mean(ent, mask, dim=1).tolist())
-        for b, ids in enumerate(c):
-            terms.policy_logprobs.append(pol[b, : len(ids)].tolist())
-            terms.reference_logprobs.append(ref[b, : len(ids)].tolist())
-    return terms
+    """With `sampled_logprobs` (recorded by the in-process sampler with the same weights and distribution) the policy
+    side is taken from them and only the base runs a forward; without, the policy's forward gives both sides'
+    logprobs and the entropy. Forwards over micro-batches of `core/batching.py`; the terms in the rows' order."""
+    n = len(completion_ids)
+    kl, entropy = [math.nan] * n, [math.nan] * n
+    policy_lps: list[list[float]] = [[] for _ in range(n)]
+    reference_lps: list[list[float]] = [[] for _ in range(n)]
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    for rows in micro_batches(range(n), lengths, micro_batch_size, micro_batch_tokens):
+        p, c = [prompt_ids[i] for i in rows], [completion_ids[i] for i in rows]
+        if sampled_logprobs is None:
+            pol, ref, ent, mask = policy_entropy_reference_logprobs(policy, p, c)
+            for i, value in zip(rows, masked_mean(ent, mask, dim=1).tolist(), strict=True):
+                entropy[i] = value
+        else:
+            ref, mask = reference_logprobs(policy, p, c)
+            pol = pad_ragged([sampled_logprobs[i] for i in rows], mask.shape[1])
+        for b, (i, value) in enumerate(zip(rows, sequence_kl(pol, ref, mask).tolist(), strict=True)):
+            kl[i] = value
+            policy_lps[i] = pol[b, : len(completion_ids[i])].tolist()
+            reference_lps[i] = ref[b, : len(completion_ids[i])].tolist()
+    return PolicyTerms(policy_lps, reference_lps, kl, entropy)
 
 
 def scores_table(
@@ -132,8 +151,12 @@ def score_stage(run_dir: str, iteration: int) -> str:
             embeddings = embedded.tolist()
 
         res.ensure_version(iteration - 1)  # the weights that sampled this batch
-        # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T)
-        terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)
+        # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T). The in-process
+        # sampler's logprobs are the policy's (same weights, same distribution): only the base needs a forward,
+        # unless the reward needs the policy's entropy.
+        sampled = rollouts["sampling_logprobs"] if not r.entropy_weight else None
+        t = cfg.training
+        terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, sampled, t.micro_batch_tokens)
         refusal = [bool(s.refusal) for s in scored]
         weights = r.weights
         reward = [

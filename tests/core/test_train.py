@@ -163,6 +163,58 @@ def test_micro_batches_of_one_give_the_gradient_of_the_whole_batch(tiny_policy, 
     _assert_same_gradient(grads[0], grads[1], rel=1e-5)
 
 
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_micro_batches_by_tokens_and_gradient_checkpointing_keep_the_gradient_and_compute_less(
+    tiny_policy, normalization, monkeypatch
+):
+    from redteam_grpo.core import train
+
+    _perturb_adapter(tiny_policy)
+    batch = _batch(tiny_policy)
+    params = tiny_policy.trainable_parameters()
+    longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
+    padded_tokens, checkpointed = [], []
+    forward = train.completion_logits
+
+    def counting_forward(policy, prompt_ids, completion_ids):
+        padded_tokens.append(
+            len(prompt_ids) * max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True))
+        )
+        return forward(policy, prompt_ids, completion_ids)
+
+    monkeypatch.setattr(train, "completion_logits", counting_forward)
+    import transformers.modeling_utils as modeling_utils
+
+    checkpoint = modeling_utils.checkpoint
+    monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    grads, tokens = [], []
+    settings = [{}, {"micro_batch_tokens": 2 * longest}, {"micro_batch_size": 4, "gradient_checkpointing": True}]
+    for setting in settings:
+        padded_tokens.clear()
+        cfg = TrainingConfig(loss_normalization=normalization, grad_clip=None, **setting)
+        policy_gradient_step(tiny_policy, torch.optim.SGD(params, lr=0.0), batch, cfg)
+        grads.append([p.grad.detach().clone() for p in params])
+        tokens.append(sum(padded_tokens))
+    _assert_same_gradient(grads[1], grads[0], rel=1e-5)
+    _assert_same_gradient(grads[2], grads[0], rel=1e-5)
+    assert tokens[1] < tokens[0]  # grouped by length: less padding than one micro-batch padded to the longest
+    layers = tiny_policy.model.get_base_model().config.num_hidden_layers
+    assert len(checkpointed) == layers * 3  # every layer of each of the three micro-batches of 4 was checkpointed
+    assert not tiny_policy.model.training and not any(m.training for m in tiny_policy.model.modules())
+
+
+def test_micro_batches_cover_every_row_once_within_their_caps():
+    from redteam_grpo.core.batching import micro_batches
+
+    lengths = [(7 * i) % 50 + 1 for i in range(40)]
+    rows = [i for i in range(40) if i % 5]
+    batches = micro_batches(rows, lengths, max_sequences=6, max_tokens=90)
+    assert sorted(r for b in batches for r in b) == rows
+    for b in batches:
+        assert len(b) <= 6 and (len(b) == 1 or len(b) * max(lengths[r] for r in b) <= 90)
+    assert micro_batches(rows, lengths, max_sequences=6) == [rows[s : s + 6] for s in range(0, len(rows), 6)]
+
+
 @pytest.mark.parametrize(
     ("loss", "normalization", "learning_rate"),
     [
