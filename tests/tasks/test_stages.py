@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from redteam_grpo.core.config import load_config
+from redteam_grpo.core.kl import policy_reference_logprobs
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ADVANTAGE, CHECKPOINT, SAMPLE, SCORE, TRAIN_STEP
@@ -72,7 +73,7 @@ def test_every_stage_output_is_read_back_by_the_next_stage(run):
     assert run.completed(CHECKPOINT, 0)
 
 
-def _rollouts(run, prompt_ids, completions, tokenizer):
+def _rollouts(run, prompt_ids, completions, tokenizer, sampling_logprobs=None):
     n = len(completions)
     return schemas.to_table(
         {
@@ -83,7 +84,7 @@ def _rollouts(run, prompt_ids, completions, tokenizer):
             "prompt": ["x"] * n,
             "prompt_token_ids": [prompt_ids] * n,
             "completion_token_ids": completions,
-            "sampling_logprobs": [[-1.0] * len(c) for c in completions],
+            "sampling_logprobs": sampling_logprobs or [[-1.0] * len(c) for c in completions],
             "completion_text": tokenizer.batch_decode(completions, skip_special_tokens=True),
             "finish_reason": ["length"] * n,
             "completion_length": [len(c) for c in completions],
@@ -104,11 +105,14 @@ def test_repetition_is_measured_on_completion_tokens_only(run):
     word = tok("the", add_special_tokens=False)["input_ids"]
     prompt_ids = word * 30
     completions = [tok(t, add_special_tokens=False)["input_ids"] for t in ("a b c d", "one two three", "x y z w v")]
-    _write(run, 0, SAMPLE, _rollouts(run, prompt_ids, completions, tok))
+    # the score stage takes the KL's policy side from the sampler's logprobs: give it the policy's own
+    policy_lp, _, _ = policy_reference_logprobs(res.policy, [prompt_ids] * 3, completions)
+    logprobs = [policy_lp[b, : len(c)].tolist() for b, c in enumerate(completions)]
+    _write(run, 0, SAMPLE, _rollouts(run, prompt_ids, completions, tok, logprobs))
     score_stage.fn(str(run.root), 0)
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert scores["repetition_ratio"] == [0.0, 0.0, 0.0]
-    assert scores["kl"] == [0.0, 0.0, 0.0]  # the initial adapter is the base
+    assert scores["kl"] == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # the initial adapter is the base
 
 
 def test_a_completion_longer_than_the_classifier_is_scored_and_counted(run):
