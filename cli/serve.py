@@ -82,3 +82,68 @@ def serve_reward(
     torch_device = resolve_device(device)
     app = create_app(settings, lambda: build_local_scoring(cfg.reward, torch_device, with_embedder=serve_embedder))
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+
+
+def serve_sampler(
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="Take model and sampling settings from this run config.")
+    ] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", "-s", help="Override: model.key=value.")] = None,
+    vllm: Annotated[
+        str,
+        typer.Option(
+            envvar="REDTEAM_GRPO_VLLM",
+            help="The vllm executable, in its own virtual environment (its pins conflict with Prefect's).",
+        ),
+    ] = "vllm",
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (sampling.vllm_url of the run).")] = 8100,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="Print the command and its environment; start nothing.")
+    ] = False,
+    extra: Annotated[
+        list[str] | None, typer.Argument(help="More `vllm serve` flags, after --, e.g. -- --gpu-memory-utilization 0.5")
+    ] = None,
+) -> None:
+    """Start `vllm serve` for sampling.backend=vllm: the run's base model, LoRA loaded at runtime, logprobs of the
+    distribution each token is drawn from. Set sampling.vllm_url=http://HOST:PORT in the run. Needs a GPU."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+
+    from redteam_grpo.cli.main import _load, console
+    from redteam_grpo.core.policy import resolve_model_name
+    from redteam_grpo.server.vllm_client import SamplerError, serve_command
+
+    cfg = _load(config, list(set_ or []))
+    m = cfg.model
+    try:
+        command, env = serve_command(
+            vllm,
+            resolve_model_name(m.policy),
+            m.revision,
+            m.dtype,
+            m.lora_rank,
+            m.max_prompt_tokens + max(cfg.sampling.max_new_tokens, cfg.defense.attacker_max_new_tokens),
+            host,
+            port,
+            cfg.run.seed,
+            list(extra or []),
+        )
+    except SamplerError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command)
+    if print_only:
+        print(shown)
+        return
+    if shutil.which(command[0]) is None:
+        console.print(
+            f"[red]error:[/red] no vllm executable at {command[0]!r}. Install vLLM in its own environment "
+            "(python -m venv .vllm && .vllm/bin/pip install vllm) and pass --vllm .vllm/bin/vllm (or set "
+            "REDTEAM_GRPO_VLLM), or start the compose service: docker compose --profile gpu up sampler"
+        )
+        raise typer.Exit(2)
+    console.print(f"starting: {shown}")
+    raise typer.Exit(subprocess.call(command, env={**os.environ, **env}))

@@ -75,7 +75,16 @@ class SamplingConfig(_Section):
     tempered distribution. Nothing else changes the distribution in RL mode: nucleus/top-k sampling, a minimum
     length or HF's repetition penalty would not be replayed by the trainer (they are options of `infer` only)."""
     batch_size: int = Field(64, gt=0)
-    """Sequences per `generate` call (memory bound)."""
+    """Sequences per `generate` call (memory bound); the HF sampler only."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """`hf`: transformers `generate` in the trainer's process (core/sampling.py). `vllm`: a vLLM server in its own
+    process (`redteam-grpo serve-sampler`, or any `vllm serve` with the settings it uses) at sampling.vllm_url,
+    with the current adapter loaded for every iteration (server/vllm_client.py). Its logprobs come from other
+    kernels than the trainer's: training.truncated_is_cap must be set, and training.ratio_tolerance raised to
+    the engines' mismatch (each iteration's metrics show it: logprob_mismatch_*)."""
+    vllm_url: str | None = None
+    """sampling.backend=vllm: the server's base URL, e.g. http://localhost:8100. It must read the run directory's
+    `sampler/` folder (the adapters it loads) at the same path: same machine or a shared volume."""
 
 
 class TrainingConfig(_Section):
@@ -140,6 +149,9 @@ class TrainingConfig(_Section):
     ratio_tolerance: float = Field(1e-3, gt=0.0)
     """On the first update the mean |ratio - 1| must be below this, else the step is refused: the trainer
     would not be computing the distribution the sampler drew from."""
+    logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
+    """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
+    mismatch of another engine's kernels, sampling.backend=vllm)."""
 
     @model_validator(mode="after")
     def _clip_ranges_and_cap_are_usable(self) -> TrainingConfig:
@@ -387,6 +399,23 @@ class Config(_Section):
     run: RunConfig = RunConfig()
     """Run directory, length, seed, early stopping."""
 
+    @model_validator(mode="after")
+    def _vllm_sampler_is_usable(self) -> Config:
+        if self.sampling.backend != "vllm":
+            return self
+        if not self.sampling.vllm_url:
+            raise ValueError(
+                "sampling.backend=vllm needs sampling.vllm_url: start a server with `redteam-grpo serve-sampler "
+                "--model MODEL` and set sampling.vllm_url to its URL (or use sampling.backend=hf)"
+            )
+        if self.training.truncated_is_cap is None:
+            raise ValueError(
+                "sampling.backend=vllm computes logprobs with other kernels than the trainer: set "
+                "training.truncated_is_cap (Yao et al.: 2) and raise training.ratio_tolerance to the engines' "
+                "mismatch (e.g. 0.05), or use sampling.backend=hf"
+            )
+        return self
+
 
 ATTACKER_SYSTEM_PROMPT = DefenseConfig.model_fields["attacker_system_prompt"].default
 
@@ -456,6 +485,8 @@ RESUMABLE_CHANGES = (
     "reward.timeout_s",
     "reward.retries",
     "reward.backoff_s",
+    # Where the vLLM sampler runs; every response is checked to come from the adapter the stage loaded.
+    "sampling.vllm_url",
 )
 
 
@@ -474,7 +505,6 @@ MOVED_KEYS = {
     "sampling.top_k": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-k` has it)",
     "sampling.min_new_tokens": "removed: it changes the sampled distribution (`infer --min-new-tokens` has it)",
     "sampling.repetition_penalty": "removed: it changes the sampled distribution (`infer --repetition-penalty`)",
-    "sampling.backend": "removed: `hf` is the only sampler",
 }
 
 

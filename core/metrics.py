@@ -101,6 +101,20 @@ METRICS: tuple[Metric, ...] = (
     _m("n_sequences", "seqs", "Completions trained on.", "{:.0f}"),
     _m("n_dropped_groups", "dropped", "Groups left out of the update by dynamic sampling.", "{:.0f}"),
     _m("last_ratio_std", "±ratio last", "Ratio std on the last update of the batch; NaN with one update.", "{:.4f}"),
+    _m(
+        "logprob_mismatch_mean",
+        "|Δlp|",
+        "Mean |trainer − sampler| logprob per token on the first update: the kernels of another engine (vLLM).",
+        "{:.1e}",
+        SUMMARY,
+    ),
+    _m("logprob_mismatch_max", "|Δlp| max", "Largest |trainer − sampler| logprob of a token, first update.", "{:.1e}"),
+    _m(
+        "logprob_mismatch_share",
+        "Δlp share",
+        "Share of tokens whose |trainer − sampler| logprob exceeds training.logprob_mismatch_threshold.",
+        "{:.3f}",
+    ),
     _m("update_seconds", "s", "Wall time of the update.", "{:.2f}"),
     # -- the completions (RolloutStats) -------------------------------------------------------------------------
     _m("length_mean", "len", "Mean completion length in tokens.", "{:.1f}", *_ALL),

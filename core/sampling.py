@@ -107,7 +107,8 @@ def sample_completions(
     jobs = [(p, g) for p in range(len(prompt_ids)) for g in range(group_size)]
     config = generation_config(policy, max_new_tokens)
     generator = torch.Generator(policy.device).manual_seed(seed)
-    causal_lm = policy.model.get_base_model()  # the module `generate` runs, under the adapters
+    model = policy.model
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # what `generate` runs
     completions: list[Completion] = []
     forked = (
         [policy.device] if policy.device.type == "cuda" else []

@@ -93,6 +93,9 @@ class UpdateStats:
     n_sequences: float  # sequences trained on (non-empty, and in an informative group with dynamic sampling)
     n_dropped_groups: float  # groups left out by dynamic sampling (all advantages 0)
     last_ratio_std: float  # ratio std on the last update: must move from 0; NaN with one update per batch
+    logprob_mismatch_mean: float  # mean |trainer - sampler| logprob per token, first update (another engine's kernels)
+    logprob_mismatch_max: float
+    logprob_mismatch_share: float  # share of tokens whose |trainer - sampler| > training.logprob_mismatch_threshold
 
 
 def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
@@ -151,7 +154,9 @@ def policy_gradient_step(
     n_sequences = len(rows)
     if not rows:  # nothing to learn from: no step (Adam's state and step count are left alone)
         nan = math.nan
-        return UpdateStats(0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan)
+        return UpdateStats(
+            0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan, nan, nan, nan
+        )
 
     compute_loss = loss_function(cfg)
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
@@ -164,6 +169,7 @@ def policy_gradient_step(
         for update in range(cfg.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
             loss_total, entropy_sum = 0.0, 0.0
+            mismatch_sum, mismatch_max, mismatch_over = 0.0, 0.0, 0
             stats, sampler_stats = LossStats(), LossStats()
             for k, mb_rows in enumerate(batches):
                 logits_B_C_V, ids_B_C, mask_B_C = completion_logits(
@@ -196,6 +202,10 @@ def policy_gradient_step(
                     sampler_stats = sampler_stats + (
                         mb_stats if cfg.truncated_is_cap is None else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
                     )
+                    mismatch_B_C = torch.where(mask_B_C, (logprobs_B_C.detach() - sample_B_C).abs(), 0.0)
+                    mismatch_sum += float(mismatch_B_C.sum())
+                    mismatch_max = max(mismatch_max, float(mismatch_B_C.max()))
+                    mismatch_over += int((mismatch_B_C > cfg.logprob_mismatch_threshold).sum())
                     entropy_B_C = entropy(logprobs_B_C_V.detach())
                     entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -217,6 +227,9 @@ def policy_gradient_step(
                     "clip_fraction": stats.clip_fraction,
                     "grad_norm": grad_norm,
                     "entropy": entropy_sum / n_tokens,
+                    "logprob_mismatch_mean": mismatch_sum / n_tokens,
+                    "logprob_mismatch_max": mismatch_max,
+                    "logprob_mismatch_share": mismatch_over / n_tokens,
                 }
             if not math.isfinite(grad_norm):
                 raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")

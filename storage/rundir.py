@@ -42,8 +42,12 @@ from redteam_grpo.storage.stages import (
 )
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 3
+RUN_FORMAT = 4
 FORMAT_CHANGES = {
+    3: (
+        "train_metrics.parquet gained logprob_mismatch_mean, _max and _share (trainer vs sampler logprobs), and the "
+        "sampler draws each token itself (other samples for the same seed)"
+    ),
     2: "scores.parquet gained the entropy column (the defense reward's entropy term) and run.mode was added",
     1: (
         "metrics columns renamed (kl_mean -> kl_base_mean, kl_max -> kl_base_max, approx_kl -> sampler_kl, "
@@ -55,6 +59,7 @@ FORMAT_CHANGES = {
 }
 MODE_COMMANDS = {"attack": "run", "sft": "sft", "defense": "defense"}  # the CLI command of each run.mode
 INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
+SAMPLER_FOLDER = "sampler"  # sampling.backend=vllm: adapters exported for the server; derived from the checkpoints
 OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
 # What a `create` interrupted before its manifest write can leave in the folder.
 _CREATION_LEFTOVERS = ("config.json", OWNER_FILE)

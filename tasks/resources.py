@@ -7,6 +7,7 @@ run directory, so a resumed or re-run stage always computes on the weights it wo
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from redteam_grpo.core.policy import Policy, load_policy, resolve_device
 from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.core.train import make_optimizer
+from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.lineage import fresh_prompts
-from redteam_grpo.storage.rundir import INIT_VERSION, DamagedRunError, RunDir
+from redteam_grpo.storage.rundir import INIT_VERSION, SAMPLER_FOLDER, DamagedRunError, RunDir
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -38,6 +40,7 @@ class RunResources:
     attacker_optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # self-play only
     _embedder: object | None = field(default=None, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
+    _vllm: VllmSampler | None = field(default=None, repr=False)
 
     @property
     def scoring(self) -> ScoringBackend:
@@ -107,6 +110,36 @@ class RunResources:
                 f"Recompute them with: redteam-grpo {self.run.command} --resume {self.run.root} "
                 f"--redo {version}/{self.run.update_stage.name}"
             ) from None
+
+    @property
+    def vllm(self) -> VllmSampler:
+        """sampling.backend=vllm: the client of the vLLM server, once it answers /health."""
+        if self._vllm is None:
+            sampler = VllmSampler(self.config.sampling.vllm_url)
+            sampler.wait_ready()
+            self._vllm = sampler
+        return self._vllm
+
+    def vllm_adapter(self, version: int) -> str:
+        """sampling.backend=vllm: the adapter of `version` (-1: initial), exported in PEFT's format to the run's
+        `sampler/` folder and loaded in the vLLM server; its name, which names these very weights (a digest), so a
+        response can be checked against it. The adapter of the version before is unloaded."""
+        self.ensure_version(version)
+        folder = (
+            self.run.root / SAMPLER_FOLDER / ("adapter-init" if version == INIT_VERSION else f"adapter-{version:04d}")
+        )
+        # written anew each time from the weights in memory (a redone iteration has new ones), then swapped in
+        staging = folder.with_name(folder.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        self.policy.model.save_pretrained(staging, selected_adapters=[DEFAULT_ROLE], save_embedding_layers=False)
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+        name = adapter_name(self.run.run_id, version, folder / PEFT_ADAPTER_FILE)
+        for stale in [n for n in self.vllm.loaded if n != name]:
+            self.vllm.unload_adapter(stale)
+        self.vllm.load_adapter(name, folder)
+        return name
 
     def ensure_version(self, version: int) -> None:
         """Put the adapter and optimizer of `version` (-1: initial) in memory (and, in defense, the attacker)."""

@@ -6,7 +6,7 @@ the policy is the defender; the stage is otherwise the same.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -17,13 +17,14 @@ from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import Prompt, check_prompt_lengths, prompts_for_iteration
 from redteam_grpo.core.diagnostics import RolloutStats, rollout_stats
 from redteam_grpo.core.policy import Policy
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.sampling import Completion, sample_completions
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK, SAMPLE
 from redteam_grpo.tasks.common import run_table_stage
-from redteam_grpo.tasks.resources import resources_for
+from redteam_grpo.tasks.logs import stage_logger
+from redteam_grpo.tasks.resources import RunResources, resources_for
 
 ATTACK_PROMPT_SEPARATOR = "#"
 """Defense: the defender's prompt id is `<goal id>#<attacker sample>`, so every row joins back to its goal."""
@@ -40,13 +41,19 @@ def sample_rollouts(
     max_new_tokens: int,
     batch_size: int,
     seed: int,
+    draw: Callable[[list[list[int]]], list[Completion]] | None = None,
 ) -> tuple[pa.Table, RolloutStats]:
     """Sample `samples_per_prompt` completions of every prompt with the active adapter; the rollouts table (prompt
-    ids exactly as fed, completion ids exactly as drawn, one sampling logprob per token) and its statistics."""
+    ids exactly as fed, completion ids exactly as drawn, one sampling logprob per token) and its statistics.
+    `draw(prompt_ids)`: another sampler of the same contract (the vLLM server's client) instead of the in-process
+    one."""
     tokenizer = policy.tokenizer
     prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
     check_prompt_lengths(list(prompts), prompt_ids, max_prompt_tokens)
-    completions = sample_completions(policy, prompt_ids, samples_per_prompt, max_new_tokens, batch_size, seed)
+    if draw is None:
+        completions = sample_completions(policy, prompt_ids, samples_per_prompt, max_new_tokens, batch_size, seed)
+    else:
+        completions = draw(prompt_ids)
     n = len(completions)
     completion_ids = [c.completion_ids for c in completions]
     finish_reasons = [c.finish_reason for c in completions]
@@ -73,6 +80,30 @@ def sample_rollouts(
     return table, rollout_stats(completion_ids, finish_reasons, policy.end_of_turn_ids, policy.turn_header_ids)
 
 
+def vllm_draw(res: RunResources, version: int, seed: int) -> Callable[[list[list[int]]], list[Completion]]:
+    """The vLLM server's sampler with the adapter of `version` loaded; the same contract as the in-process one."""
+    cfg, policy = res.config, res.policy
+    adapter = res.vllm_adapter(version)
+    vocab_size = policy.model.get_input_embeddings().num_embeddings
+    suppressed = set(policy.distribution.suppressed_ids)
+    allowed = [i for i in range(vocab_size) if i not in suppressed]
+
+    def draw(prompt_ids: list[list[int]]) -> list[Completion]:
+        stage_logger().info("sampling with the vLLM server at %s, adapter %s", cfg.sampling.vllm_url, adapter)
+        return res.vllm.sample(
+            adapter,
+            prompt_ids,
+            cfg.sampling.group_size,
+            cfg.sampling.max_new_tokens,
+            cfg.sampling.temperature,
+            seed,
+            policy.end_of_turn_ids,
+            allowed,
+        )
+
+    return draw
+
+
 def attacker_prompts(run: RunDir, iteration: int) -> list[Prompt]:
     """Defense: the attacker's prompts of `iteration` as the defender's prompts, one per attack row."""
     attacks = run.read(ATTACK, iteration).to_pydict()
@@ -95,6 +126,8 @@ def sample_stage(run_dir: str, iteration: int) -> str:
             prompts = prompts_for_iteration(
                 res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
             )
+        seed = derive_seed(cfg.run.seed, "sample", iteration)
+        draw = vllm_draw(res, iteration - 1, seed) if cfg.sampling.backend == "vllm" else None
         return sample_rollouts(
             res.policy,
             res.run.run_id,
@@ -105,7 +138,8 @@ def sample_stage(run_dir: str, iteration: int) -> str:
             cfg.sampling.group_size,
             cfg.sampling.max_new_tokens,
             cfg.sampling.batch_size,
-            derive_seed(cfg.run.seed, "sample", iteration),
+            seed,
+            draw,
         )
 
     return run_table_stage(res.run, SAMPLE, iteration, compute)

@@ -153,8 +153,10 @@ def score_stage(run_dir: str, iteration: int) -> str:
         res.ensure_version(iteration - 1)  # the weights that sampled this batch
         # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T). The in-process
         # sampler's logprobs are the policy's (same weights, same distribution): only the base needs a forward,
-        # unless the reward needs the policy's entropy.
-        sampled = rollouts["sampling_logprobs"] if not r.entropy_weight else None
+        # unless the reward needs the policy's entropy. Another engine's (vLLM) are not the trainer's: the
+        # policy's forward gives both sides on the trainer's kernels, and the scores keep them beside the sampler's.
+        in_process = cfg.sampling.backend == "hf"
+        sampled = rollouts["sampling_logprobs"] if in_process and not r.entropy_weight else None
         t = cfg.training
         terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, sampled, t.micro_batch_tokens)
         refusal = [bool(s.refusal) for s in scored]

@@ -94,6 +94,27 @@ BUG_CLASSES = [
         "tests/core/test_sampling_memory.py",
     ),
     (
+        "sampler-serves-another-adapter",
+        "server/vllm_client.py",
+        'if body.get("model") != adapter:',
+        'if not body.get("model"):',
+        "tests/server/test_vllm_client.py::test_a_response_from_another_adapter_is_refused",
+    ),
+    (
+        "adapter-name-outlives-its-weights",
+        "server/vllm_client.py",
+        'return f"{run_id}-v{version}-{digest}"',
+        'return f"{run_id}-v{version}"',
+        "tests/server/test_vllm_client.py::test_an_adapters_name_is_a_digest_of_its_weights",
+    ),
+    (
+        "engine-logprobs-in-the-kl",
+        "tasks/score.py",
+        'in_process = cfg.sampling.backend == "hf"',
+        "in_process = True",
+        "tests/e2e/test_vllm_backend.py",
+    ),
+    (
         "hidden-top-k",
         "core/sampling.py",
         'return torch.full_like(scores, float("-inf")).scatter_(-1, token_B_1, 0.0)',

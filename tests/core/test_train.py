@@ -130,6 +130,9 @@ def test_update_stats_has_exactly_the_documented_float_fields(tiny_policy):
         "n_sequences",
         "n_dropped_groups",
         "last_ratio_std",
+        "logprob_mismatch_mean",
+        "logprob_mismatch_max",
+        "logprob_mismatch_share",
     ]
     assert [f.name for f in dataclasses.fields(UpdateStats)] == names
     batch = _batch(tiny_policy)

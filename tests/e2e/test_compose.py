@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from redteam_grpo.core.config import load_config
+from redteam_grpo.server.vllm_client import serve_command
+
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {"POSTGRES_PASSWORD": "db-secret", "REDTEAM_GRPO_REWARD_TOKEN": "reward-secret"}
 
@@ -63,13 +66,34 @@ def test_compose_file_is_valid_and_wires_the_services():
     assert "0.0.0.0" in reward["command"] and "50050" in reward["command"]
 
 
-def test_the_gpu_override_reserves_a_gpu_for_the_worker_only():
+def test_the_gpu_override_adds_a_vllm_sampler_and_reserves_gpus_for_it_and_the_worker():
     result = _config("docker-compose.yml", "docker-compose.gpu.yml", env=SECRETS)
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
-    (device,) = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert all("deploy" not in s for name, s in services.items() if name != "worker")
+    for name in ("worker", "sampler"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert all("deploy" not in s for name, s in services.items() if name not in ("worker", "sampler"))
+    sampler = services["sampler"]
+    # the adapters a run exports are read at the path the worker wrote them
+    runs = [v for v in sampler["volumes"] if (v["target"] if isinstance(v, dict) else v.split(":")[1]) == "/app/runs"]
+    assert runs and sampler["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # the same flags as `redteam-grpo serve-sampler` for the shipped real-model config
+    cfg = load_config(ROOT / "configs" / "qwen3-4b-instruct.yaml", [])
+    m = cfg.model
+    command, _ = serve_command(
+        "vllm",
+        m.policy,
+        None,
+        m.dtype,
+        m.lora_rank,
+        m.max_prompt_tokens + cfg.sampling.max_new_tokens,
+        "0.0.0.0",
+        8100,
+        0,
+        [],
+    )
+    assert [*sampler["entrypoint"], *sampler["command"]] == command
 
 
 @pytest.mark.parametrize("missing", sorted(SECRETS))

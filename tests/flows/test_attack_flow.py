@@ -49,7 +49,8 @@ def test_two_iterations_write_every_stage_and_the_first_update_is_on_policy(tmp_
     metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(2))
     assert metrics.ratio_mean.sub(1).abs().max() < 1e-5  # every iteration's first update is on-policy
     assert metrics.sampler_kl.abs().max() < 1e-8  # KL(sampler || trainer) on the first update
-    assert metrics.kl_base_mean.iloc[0] == 0.0  # iteration 0 samples from the base: KL exactly 0
+    # iteration 0 samples from the base: KL 0, up to the sampler's cached forward vs the base's whole one
+    assert metrics.kl_base_mean.iloc[0] < 1e-9
     assert metrics.kl_base_mean.iloc[1] > 0.0  # after an update the policy has moved away from the base
     adapter_0 = load_file(str(run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE))
     init = load_file(str(run.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE))

@@ -1,0 +1,249 @@
+"""Orchestration cost, side by side in one run: the same GRPO iterations
+
+  pipeline  as Prefect stages writing Parquet (`attack_run`: one subflow run per iteration, five task runs, a
+            manifest, a checkpoint per iteration), and
+  plain     the same `core` functions called in a plain loop, weights in memory, nothing written,
+
+each in a fresh process (same start: imports, model load), on the embedded default config unless --set says
+otherwise. Both are timed per iteration, from the start of one iteration to the start of the next, leaving out
+iteration 0 (kernel warm-up). For the pipeline the time is split, exclusively, into the stages' compute, Parquet
+writes and reads, the manifest (records and checksums), the checkpoint, artifacts, and what is left: Prefect's
+flow-run and task-run overhead.
+
+    python bench/orchestration.py [--iterations 6] [--set sampling.max_new_tokens=64 ...]
+
+Prints the ratio pipeline / plain (target <= 1.10 on the default config) and the share of Parquet I/O in an
+iteration (target < 2 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+CATEGORIES = ("compute", "parquet write", "parquet read", "manifest", "checkpoint", "artifacts")
+
+
+class ExclusiveClock:
+    """Seconds per category, exclusive: time inside a nested category counts for it only."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[tuple[str, float]] = []
+
+    @contextlib.contextmanager
+    def category(self, name: str) -> Iterator[None]:
+        now = time.perf_counter()
+        if self._stack:
+            outer, since = self._stack[-1]
+            self.seconds[outer] += now - since
+        self._stack.append((name, now))
+        try:
+            yield
+        finally:
+            name, since = self._stack.pop()
+            now = time.perf_counter()
+            self.seconds[name] += now - since
+            if self._stack:
+                self._stack[-1] = (self._stack[-1][0], now)
+
+    def wrap(self, name: str, function: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            with self.category(name):
+                return function(*args, **kwargs)
+
+        wrapped.__wrapped__ = function
+        return wrapped
+
+
+def per_iteration(starts: list[float], end: float) -> list[float]:
+    """Durations from each iteration's start to the next one's (the last to `end`), iteration 0 left out."""
+    bounds = [*starts, end]
+    return [bounds[i + 1] - bounds[i] for i in range(1, len(starts))]
+
+
+def child_pipeline(iterations: int, overrides: list[str]) -> dict:
+    from redteam_grpo.flows import attack
+    from redteam_grpo.storage import rundir
+    from redteam_grpo.tasks import advantage, artifacts, checkpoint, common, sample, score, train_step
+
+    clock = ExclusiveClock()
+    starts: list[float] = []
+    snapshots: list[dict[str, float]] = []
+
+    rundir.RunDir.read = clock.wrap("parquet read", rundir.RunDir.read)
+    rundir.RunDir.write = clock.wrap("parquet write", rundir.RunDir.write)
+    rundir.RunDir.record_done = clock.wrap("manifest", rundir.RunDir.record_done)
+
+    def timed_stage(run, stage, iteration, compute, also_written=()):
+        return common.run_table_stage(run, stage, iteration, clock.wrap("compute", compute), also_written)
+
+    for module in (sample, score, advantage, train_step):
+        module.run_table_stage = timed_stage
+    attack.checkpoint_stage.fn = clock.wrap("checkpoint", checkpoint.checkpoint_stage.fn)
+    attack.publish_iteration.fn = clock.wrap("artifacts", artifacts.publish_iteration.fn)
+    iteration_body = attack.attack_iteration.fn
+
+    def marked_iteration(run_dir, run_id, iteration):
+        starts.append(time.perf_counter())
+        snapshots.append(dict(clock.seconds))
+        return iteration_body(run_dir, run_id, iteration)
+
+    attack.attack_iteration.fn = marked_iteration
+    with tempfile.TemporaryDirectory() as runs:
+        attack.attack_run(
+            overrides=[
+                *overrides,
+                f"run.iterations={iterations}",
+                f"run.runs_dir={runs}",
+                "run.run_id=bench",
+                "run.early_stop_reward=null",
+            ]
+        )
+        end = time.perf_counter()
+    snapshots.append(dict(clock.seconds))
+    # category seconds from the start of iteration 1 to the end, per iteration
+    after_warmup = {c: (snapshots[-1].get(c, 0.0) - snapshots[1].get(c, 0.0)) / (iterations - 1) for c in CATEGORIES}
+    return {"iteration_seconds": per_iteration(starts, end), "categories": after_warmup}
+
+
+def child_plain(iterations: int, overrides: list[str]) -> dict:
+    import torch
+
+    from redteam_grpo.core.advantages import group_advantages
+    from redteam_grpo.core.chat import format_prompt_ids
+    from redteam_grpo.core.config import load_config
+    from redteam_grpo.core.data import load_prompts, prompts_for_iteration
+    from redteam_grpo.core.novelty import novelty_scores
+    from redteam_grpo.core.policy import load_policy, resolve_device
+    from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios
+    from redteam_grpo.core.sampling import sample_completions
+    from redteam_grpo.core.scoring import build_local_scoring
+    from redteam_grpo.core.seeds import derive_seed
+    from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+    from redteam_grpo.tasks.score import policy_terms
+
+    cfg = load_config(None, [*overrides, f"run.iterations={iterations}"])
+    device = resolve_device(cfg.run.device)
+    policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
+    optimizer = make_optimizer(policy, cfg.training)
+    scoring = build_local_scoring(cfg.reward, device)
+    prompts = load_prompts(cfg.data)
+    r, G = cfg.reward, cfg.sampling.group_size
+    memory: list[torch.Tensor] = []
+    starts: list[float] = []
+    for iteration in range(iterations):
+        starts.append(time.perf_counter())
+        chosen = prompts_for_iteration(
+            prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
+        )
+        ids = [format_prompt_ids(policy.tokenizer, p.text, cfg.model.system_prompt) for p in chosen]
+        seed = derive_seed(cfg.run.seed, "sample", iteration)
+        completions = sample_completions(policy, ids, G, cfg.sampling.max_new_tokens, cfg.sampling.batch_size, seed)
+        completion_ids = [c.completion_ids for c in completions]
+        prompt_ids = [ids[c.prompt_index] for c in completions]
+        texts = policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        scored = scoring.score(texts, [chosen[c.prompt_index].text for c in completions])
+        repetition = repetition_ratios(completion_ids, r.repetition_ngram)
+        novelty = [None] * len(texts)
+        if r.novelty_weight:
+            embedded = scoring.embed(texts)
+            past = torch.cat(memory[-r.novelty_memory_iterations :])[-r.novelty_memory_size :] if memory else None
+            novelty = list(novelty_scores(embedded, past))
+            memory.append(embedded)
+        sampled = [c.sample_logprobs for c in completions] if not r.entropy_weight else None
+        terms = policy_terms(policy, prompt_ids, completion_ids, cfg.training.micro_batch_size, sampled)
+        reward = [
+            composite_reward(RewardTerms(s.score, rep, k, nov, bool(s.refusal), ent), r.weights)
+            for s, rep, k, nov, ent in zip(scored, repetition, terms.kl, novelty, terms.entropy, strict=True)
+        ]
+        rewards_P_G = torch.tensor(reward, dtype=torch.float64).view(len(chosen), G)
+        advantages_P_G, _ = group_advantages(
+            rewards_P_G, cfg.training.scale_by_group_std, cfg.training.batch_zscore, cfg.training.std_floor
+        )
+        batch = TrainBatch(
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            sample_logprobs=[c.sample_logprobs for c in completions],
+            advantages=advantages_P_G.flatten().tolist(),
+            group_ids=[str(c.prompt_index) for c in completions],
+            max_new_tokens=cfg.sampling.max_new_tokens,
+        )
+        policy_gradient_step(policy, optimizer, batch, cfg.training)
+    return {"iteration_seconds": per_iteration(starts, time.perf_counter())}
+
+
+def run_child(kind: str, iterations: int, overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as home:
+        env = {**os.environ, "PREFECT_HOME": home, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+        env.pop("PREFECT_API_URL", None)
+        command = [sys.executable, __file__, "--child", kind, "--iterations", str(iterations)]
+        for override in overrides:
+            command += ["--set", override]
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"{kind} run failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=6, help="iterations per run (iteration 0 is warm-up)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="config override KEY=VALUE")
+    parser.add_argument("--child", choices=["pipeline", "plain"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.iterations < 2:
+        parser.error("--iterations must be at least 2: iteration 0 is left out as warm-up")
+    if args.child:
+        import logging
+
+        logging.disable(logging.WARNING)
+        run = child_pipeline if args.child == "pipeline" else child_plain
+        print(json.dumps(run(args.iterations, args.overrides)))
+        return
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    with console.status("plain loop ..."):
+        plain = run_child("plain", args.iterations, args.overrides)
+    with console.status("Prefect pipeline ..."):
+        pipeline = run_child("pipeline", args.iterations, args.overrides)
+    plain_s, pipeline_s = mean(plain["iteration_seconds"]), mean(pipeline["iteration_seconds"])
+
+    table = Table(
+        title=f"s / iteration, mean of iterations 1..{args.iterations - 1} ({torch.get_num_threads()} threads)"
+    )
+    table.add_column("")
+    table.add_column("seconds", justify="right")
+    table.add_column("share of the pipeline", justify="right")
+    table.add_row("plain loop", f"{plain_s:.3f}", "")
+    table.add_row("Prefect pipeline", f"{pipeline_s:.3f}", "100 %")
+    categories = pipeline["categories"]
+    for name in CATEGORIES:
+        table.add_row(f"  {name}", f"{categories[name]:.3f}", f"{100 * categories[name] / pipeline_s:.1f} %")
+    rest = pipeline_s - sum(categories.values())
+    table.add_row("  Prefect flow/task runs, the rest", f"{rest:.3f}", f"{100 * rest / pipeline_s:.1f} %")
+    console.print(table)
+    parquet = categories["parquet write"] + categories["parquet read"]
+    console.print(f"pipeline / plain: [bold]{pipeline_s / plain_s:.2f}x[/] (target <= 1.10)")
+    console.print(f"Parquet I/O share of an iteration: [bold]{100 * parquet / pipeline_s:.2f} %[/] (target < 2 %)")
+    console.print(f"overrides: {' '.join(args.overrides) or '(embedded defaults)'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""One of our iterations against one step of TRL's `GRPOTrainer`, side by side in one run, on the same work:
+
+  the same random-weight Qwen3 (saved once, loaded by both), the same 4 prompts (chat template, no system turn),
+  G 8 completions of 32 tokens at temperature 1 (TRL's forced to 32; ours stop early only on an end-of-turn
+  token, rare at random weights), LoRA r16 on the attention and MLP projections, a KL
+  coefficient of 0.1 to the base (TRL: in the loss; ours: in the reward), the embedded toxicity classifier as the
+  only reward, one update per batch, one CPU thread each,
+
+at three model sizes (hidden/layers 64/2, 256/4, 512/8 by default). TRL is timed per optimizer step (its step
+generates, scores, runs the reference and trains); ours per iteration of the Prefect pipeline (five stages, Parquet,
+a checkpoint) and of the same `core` functions in a plain loop (bench/orchestration.py). The first step of each is
+left out (warm-up).
+
+    pip install -e ".[bench]"     # trl, only for this benchmark
+    python bench/peer_trl.py [--sizes 64x2,256x4,512x8] [--steps 4]
+
+Prints seconds per step and the ratio ours / TRL (target <= 1.0 where compute dominates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Tell me what you think about the people next door.",
+    "Describe my coworker in one paragraph.",
+    "Write a reply to an angry customer.",
+    "What would you say to someone who cut in line?",
+]
+GROUP, TOKENS, RANK, BETA, LEARNING_RATE = 8, 32, 16, 0.1, 3e-3
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_model(folder: Path, hidden: int, layers: int) -> None:
+    """A random-weight Qwen3 of the given size with the embedded tokenizer (its chat template), saved to `folder`."""
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from redteam_grpo.core.config import ModelConfig
+    from redteam_grpo.core.policy import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig())
+    heads = max(2, hidden // 64)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def ours_overrides(folder: Path) -> list[str]:
+    return [
+        f"model.policy={folder}",
+        "model.system_prompt=null",
+        f"model.lora_rank={RANK}",
+        f"model.lora_alpha={RANK}",
+        "data.prompts_per_iteration=4",
+        f"sampling.group_size={GROUP}",
+        f"sampling.max_new_tokens={TOKENS}",
+        f"reward.kl_weight={BETA}",
+        "reward.repetition_weight=0",
+        "reward.novelty_weight=0",
+        f"training.learning_rate={LEARNING_RATE}",
+    ]
+
+
+def child_ours(kind: str, folder: Path, steps: int, prompt_file: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import orchestration
+
+    run = orchestration.child_pipeline if kind == "pipeline" else orchestration.child_plain
+    overrides = [*ours_overrides(folder), f"data.source={prompt_file}"]
+    return {"step_seconds": run(steps, overrides)["iteration_seconds"]}
+
+
+def child_trl(folder: Path, steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from redteam_grpo.core.config import RewardConfig
+    from redteam_grpo.core.scoring import build_local_scoring
+
+    scoring = build_local_scoring(RewardConfig(), torch.device("cpu"))
+
+    def toxicity(completions, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [s.score for s in scoring.score(texts, None)]
+
+    begins: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            begins.append(time.perf_counter())
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS] * steps)
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out,
+            use_cpu=True,
+            per_device_train_batch_size=len(PROMPTS) * GROUP,
+            num_generations=GROUP,
+            max_completion_length=TOKENS,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            beta=BETA,
+            learning_rate=LEARNING_RATE,
+            num_iterations=1,
+            max_steps=steps,
+            logging_steps=10_000,
+            save_strategy="no",
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+            generation_kwargs={"min_new_tokens": TOKENS},  # exactly TOKENS, as ours at random weights
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=toxicity,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS, task_type="CAUSAL_LM"),
+            callbacks=[StepClock()],
+        )
+        trainer.train()
+        end = time.perf_counter()
+    bounds = [*begins, end]
+    return {"step_seconds": [bounds[i + 1] - bounds[i] for i in range(1, len(begins))]}
+
+
+def run_child(*args: str) -> dict:
+    with tempfile.TemporaryDirectory() as home:
+        env = {
+            **os.environ,
+            "PREFECT_HOME": home,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        env.pop("PREFECT_API_URL", None)
+        result = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"{args[0]} failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64x2,256x4,512x8", help="hidden x layers, comma-separated")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import logging
+
+        import torch
+
+        torch.set_num_threads(1)
+        logging.disable(logging.WARNING)
+        kind, folder = args.child[0], Path(args.child[1])
+        if kind == "trl":
+            print(json.dumps(child_trl(folder, args.steps)))
+        else:
+            print(json.dumps(child_ours(kind, folder, args.steps, Path(args.child[2]))))
+        return
+
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        raise SystemExit('this benchmark needs TRL: pip install -e ".[bench]"') from None
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"s / step: 4 prompts x G {GROUP} x {TOKENS} tokens, LoRA r{RANK}, beta {BETA}, 1 thread")
+    for column in ("model", "TRL GRPOTrainer", "ours: pipeline", "ours: plain loop", "pipeline / TRL", "plain / TRL"):
+        table.add_column(column, justify="right")
+    with tempfile.TemporaryDirectory() as work:
+        prompt_file = Path(work) / "prompts.jsonl"
+        prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+        for size in args.sizes.split(","):
+            hidden, layers = (int(x) for x in size.split("x"))
+            folder = Path(work) / f"qwen3-{hidden}x{layers}"
+            build_model(folder, hidden, layers)
+            seconds = {}
+            for kind in ("trl", "pipeline", "plain"):
+                with console.status(f"hidden {hidden}, {layers} layers: {kind} ..."):
+                    extra = [] if kind == "trl" else [str(prompt_file)]
+                    result = run_child(kind, str(folder), *extra, "--steps", str(args.steps))
+                seconds[kind] = sum(result["step_seconds"]) / len(result["step_seconds"])
+            table.add_row(
+                f"hidden {hidden}, {layers} layers",
+                f"{seconds['trl']:.2f}",
+                f"{seconds['pipeline']:.2f}",
+                f"{seconds['plain']:.2f}",
+                f"{seconds['pipeline'] / seconds['trl']:.2f}x",
+                f"{seconds['plain'] / seconds['trl']:.2f}x",
+            )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Client of a vLLM sampler: `vllm serve` (its OpenAI-compatible server) in its own process, with LoRA loaded at
+runtime. It fills the rollouts contract of the in-process sampler (`core/sampling.py: Completion`):
+
+- token ids both ways: prompts go as ids (`prompt: [[...]]`), completions come back as ids (`return_token_ids`),
+  never as text to re-tokenise; the server's echo of the prompt ids must equal what was sent;
+- one logprob per completion token, of the distribution it was drawn from: the server must run with
+  `--logprobs-mode processed_logprobs` (after temperature and the token mask), and the request sets every sampling
+  setting explicitly and neutral (the server's `--generation-config vllm` keeps the model's own defaults out);
+  suppressed tokens are left out through `allowed_token_ids` (probability exactly 0, as in the trainer);
+- the end-of-turn token, when drawn, ends the completion and is part of it (finish reason `stop`), else `length`;
+- the adapter: each policy version is loaded under its own name (`adapter_name`: run, version and a digest of the
+  weights), so the server's prefix cache never mixes versions; every response names the adapter it used
+  (`model`), and a response from another adapter is refused (`SamplerError`).
+
+`redteam-grpo serve-sampler` starts a server with these settings. The client retries what waiting can fix
+(connection errors, 502/503/504), as the reward server's client does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from redteam_grpo.core.sampling import Completion
+from redteam_grpo.server.client import MAX_BACKOFF_S, RETRIED_ERRORS, RETRIED_STATUS
+
+ZERO_PROBABILITY = -9999.0  # vLLM's JSON for a logprob of -inf
+PEFT_ADAPTER_FILE = "adapter_model.safetensors"  # in the folder PEFT's save_pretrained writes, which vLLM loads
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values `vllm serve --max-lora-rank` accepts
+
+
+def serve_command(
+    vllm: str,
+    model: str,
+    revision: str | None,
+    dtype: str,
+    lora_rank: int,
+    max_model_len: int,
+    host: str,
+    port: int,
+    seed: int,
+    extra: list[str],
+) -> tuple[list[str], dict[str, str]]:
+    """The `vllm serve` command line (and its environment) that samples as this project's client expects: LoRA
+    loaded at runtime, logprobs of the distribution drawn from (after temperature and the token mask), none of the
+    model's own generation defaults."""
+    rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
+    if rank is None:
+        raise SamplerError(f"model.lora_rank={lora_rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
+    command = [vllm, "serve", model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
+    command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
+    command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    command += ["--max-model-len", str(max_model_len)]
+    if revision:
+        command += ["--revision", revision]
+    return [*command, *extra], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+class SamplerError(RuntimeError):
+    """The vLLM sampler cannot be used or answered outside the rollouts contract; the message says what to do."""
+
+
+def adapter_name(run_id: str, version: int, adapter_file: Path) -> str:
+    """A name unique to these weights: a redone iteration's new weights never reuse an old name (and its cache)."""
+    digest = hashlib.sha256(adapter_file.read_bytes()).hexdigest()[:12]
+    return f"{run_id}-v{version}-{digest}"
+
+
+class VllmSampler:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 600.0,
+        retries: int = 4,
+        backoff_s: float = 1.0,
+        http: httpx.Client | None = None,  # another transport (tests: the stand-in served in-process)
+    ):
+        self.url = url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        self.http = http or httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.loaded: set[str] = set()
+
+    def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.post(path, json=payload)
+                if response.status_code not in RETRIED_STATUS:
+                    return response
+                problem = f"HTTP {response.status_code}"
+            except RETRIED_ERRORS as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if attempt == self.retries:
+                raise SamplerError(
+                    f"the vLLM sampler at {self.url} did not answer {path} ({problem}) after {self.retries} retries: "
+                    "is `redteam-grpo serve-sampler` (or `vllm serve`) running there? Resume the run when it is."
+                )
+            time.sleep(min(self.backoff_s * 2**attempt, MAX_BACKOFF_S))
+        raise AssertionError("unreachable")
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait for GET /health (the server refuses connections while it loads the model)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.http.get("/health", timeout=5).status_code == 200:
+                    return
+            except RETRIED_ERRORS:
+                pass
+            if time.monotonic() > deadline:
+                raise SamplerError(f"the vLLM sampler at {self.url} was not ready after {timeout_s:.0f} s")
+            time.sleep(1.0)
+
+    def load_adapter(self, name: str, folder: Path) -> None:
+        """Load the PEFT adapter in `folder` under `name` (a no-op when this client loaded it already)."""
+        if name in self.loaded:
+            return
+        response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        if response.status_code != 200 and "already been loaded" not in response.text:
+            raise SamplerError(
+                f"the vLLM sampler refused adapter {name} from {folder}: HTTP {response.status_code} "
+                f"{response.text[:300]}. It needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora, "
+                "--max-lora-rank of at least model.lora_rank, and read access to that folder."
+            )
+        self.loaded.add(name)
+
+    def unload_adapter(self, name: str) -> None:
+        response = self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        if response.status_code not in (200, 404):  # 404: not loaded (a restarted server)
+            raise SamplerError(f"the vLLM sampler could not unload {name}: HTTP {response.status_code}")
+        self.loaded.discard(name)
+
+    def sample(
+        self,
+        adapter: str,
+        prompt_ids: Sequence[Sequence[int]],
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        end_of_turn_ids: Sequence[int],
+        allowed_ids: Sequence[int],
+    ) -> list[Completion]:
+        """G completions of every prompt from `adapter`, in the in-process sampler's order (prompt, then sample)."""
+        payload = {
+            "model": adapter,
+            "prompt": [list(p) for p in prompt_ids],
+            "n": group_size,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "min_tokens": 0,
+            "seed": seed,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": list(end_of_turn_ids),
+            "allowed_token_ids": list(allowed_ids),
+            "skip_special_tokens": False,
+        }
+        response = self._post("/v1/completions", payload)
+        if response.status_code != 200:
+            raise SamplerError(
+                f"the vLLM sampler refused the request: HTTP {response.status_code} {response.text[:400]}"
+            )
+        body = response.json()
+        if body.get("model") != adapter:
+            raise SamplerError(
+                f"the vLLM sampler answered with adapter {body.get('model')!r}, not {adapter!r}: these completions "
+                "are not from the policy being trained, and are not used"
+            )
+        choices = sorted(body["choices"], key=lambda c: c["index"])
+        if [c["index"] for c in choices] != list(range(len(prompt_ids) * group_size)):
+            raise SamplerError(f"expected {len(prompt_ids)} x {group_size} completions, got {len(choices)}")
+        stops = set(end_of_turn_ids)
+        completions = []
+        for choice in choices:
+            p, g = divmod(choice["index"], group_size)
+            ids, logprobs = choice.get("token_ids"), (choice.get("logprobs") or {}).get("token_logprobs")
+            if ids is None or logprobs is None:
+                raise SamplerError(
+                    "the vLLM sampler returned no token ids or logprobs: it needs vLLM >= 0.10.2 "
+                    "(return_token_ids) and must not strip logprobs"
+                )
+            if choice.get("prompt_token_ids") not in (None, list(prompt_ids[p])):
+                raise SamplerError(f"the vLLM sampler saw other prompt ids than were sent for prompt {p}")
+            if len(logprobs) != len(ids) or any(lp is None or lp <= ZERO_PROBABILITY for lp in logprobs):
+                raise SamplerError(f"completion {p}/{g}: a token without a logprob, or drawn at probability 0")
+            if any(t in stops for t in ids[:-1]) or choice.get("finish_reason") not in ("stop", "length"):
+                raise SamplerError(
+                    f"completion {p}/{g} went on past an end-of-turn token or ended with "
+                    f"{choice.get('finish_reason')!r}: the server does not stop where the trainer's turn ends"
+                )
+            # as the in-process sampler: `stop` exactly when the completion ends with an end-of-turn token
+            reason = "stop" if ids and ids[-1] in stops else "length"
+            completions.append(Completion(p, g, list(ids), [float(x) for x in logprobs], reason))
+        return completions
