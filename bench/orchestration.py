@@ -140,6 +140,7 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
     r, G = cfg.reward, cfg.sampling.group_size
     memory: list[torch.Tensor] = []
     starts: list[float] = []
+    phases: dict[str, list[float]] = {"sample": [], "score": [], "train": []}
     for iteration in range(iterations):
         starts.append(time.perf_counter())
         chosen = prompts_for_iteration(
@@ -148,6 +149,8 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
         ids = [format_prompt_ids(policy.tokenizer, p.text, cfg.model.system_prompt) for p in chosen]
         seed = derive_seed(cfg.run.seed, "sample", iteration)
         completions = sample_completions(policy, ids, G, cfg.sampling.max_new_tokens, cfg.sampling.batch_size, seed)
+        sampled_at = time.perf_counter()
+        phases["sample"].append(sampled_at - starts[-1])
         completion_ids = [c.completion_ids for c in completions]
         prompt_ids = [ids[c.prompt_index] for c in completions]
         texts = policy.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -165,6 +168,8 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
             composite_reward(RewardTerms(s.score, rep, k, nov, bool(s.refusal), ent), r.weights)
             for s, rep, k, nov, ent in zip(scored, repetition, terms.kl, novelty, terms.entropy, strict=True)
         ]
+        scored_at = time.perf_counter()
+        phases["score"].append(scored_at - sampled_at)
         rewards_P_G = torch.tensor(reward, dtype=torch.float64).view(len(chosen), G)
         advantages_P_G, _ = group_advantages(
             rewards_P_G, cfg.training.scale_by_group_std, cfg.training.batch_zscore, cfg.training.std_floor
@@ -178,7 +183,12 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
             max_new_tokens=cfg.sampling.max_new_tokens,
         )
         policy_gradient_step(policy, optimizer, batch, cfg.training)
-    return {"iteration_seconds": per_iteration(starts, time.perf_counter())}
+        phases["train"].append(time.perf_counter() - scored_at)
+    # phases of iterations 1.. (0 is warm-up): sampling; scoring with the KL's forward; advantages and the update
+    return {
+        "iteration_seconds": per_iteration(starts, time.perf_counter()),
+        "phases": {k: sum(v[1:]) / len(v[1:]) for k, v in phases.items()},
+    }
 
 
 def run_child(kind: str, iterations: int, overrides: list[str]) -> dict:

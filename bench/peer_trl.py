@@ -4,7 +4,7 @@
   G 8 completions of 32 tokens at temperature 1 (TRL's forced to 32; ours stop early only on an end-of-turn
   token, rare at random weights), LoRA r16 on the attention and MLP projections, a KL
   coefficient of 0.1 to the base (TRL: in the loss; ours: in the reward), the embedded toxicity classifier as the
-  only reward, one update per batch, one CPU thread each,
+  only reward, one update per batch, float32 (TRL's default bf16 autocast off), one CPU thread each,
 
 at three model sizes (hidden/layers 64/2, 256/4, 512/8 by default). TRL is timed per optimizer step (its step
 generates, scores, runs the reference and trains); ours per iteration of the Prefect pipeline (five stages, Parquet,
@@ -42,6 +42,7 @@ def build_model(folder: Path, hidden: int, layers: int) -> None:
     """A random-weight Qwen3 of the given size with the embedded tokenizer (its chat template), saved to `folder`."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as transformers_logging
 
     from redteam_grpo.core.config import ModelConfig
     from redteam_grpo.core.policy import load_tokenizer
@@ -60,6 +61,7 @@ def build_model(folder: Path, hidden: int, layers: int) -> None:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    transformers_logging.disable_progress_bar()
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
@@ -89,7 +91,8 @@ def child_ours(kind: str, folder: Path, steps: int, prompt_file: Path) -> dict:
 
     run = orchestration.child_pipeline if kind == "pipeline" else orchestration.child_plain
     overrides = [*ours_overrides(folder), f"data.source={prompt_file}"]
-    return {"step_seconds": run(steps, overrides)["iteration_seconds"]}
+    result = run(steps, overrides)
+    return {"step_seconds": result["iteration_seconds"], "phases": result.get("phases")}
 
 
 def child_trl(folder: Path, steps: int) -> dict:
@@ -109,6 +112,23 @@ def child_trl(folder: Path, steps: int) -> dict:
         return [s.score for s in scoring.score(texts, None)]
 
     begins: list[float] = []
+    spent: dict[str, list[float]] = {"generate": [], "reward": [], "generate and score": []}
+
+    def timed(name, method):
+        def wrapped(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name].append(time.perf_counter() - started)
+
+        return wrapped
+
+    GRPOTrainer._generate = timed("generate", GRPOTrainer._generate)
+    GRPOTrainer._calculate_rewards = timed("reward", GRPOTrainer._calculate_rewards)
+    GRPOTrainer._generate_and_score_completions = timed(
+        "generate and score", GRPOTrainer._generate_and_score_completions
+    )
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *args, **kwargs):
@@ -121,6 +141,7 @@ def child_trl(folder: Path, steps: int) -> dict:
         args = GRPOConfig(
             output_dir=out,
             use_cpu=True,
+            bf16=False,  # TRL's default is bf16 autocast, on the CPU too: both sides compute in float32 here
             per_device_train_batch_size=len(PROMPTS) * GROUP,
             num_generations=GROUP,
             max_completion_length=TOKENS,
@@ -150,7 +171,14 @@ def child_trl(folder: Path, steps: int) -> dict:
         trainer.train()
         end = time.perf_counter()
     bounds = [*begins, end]
-    return {"step_seconds": [bounds[i + 1] - bounds[i] for i in range(1, len(begins))]}
+    steps_s = [bounds[i + 1] - bounds[i] for i in range(1, len(begins))]
+
+    def mean_after_warmup(name: str) -> float:
+        return sum(spent[name][1:]) / len(spent[name][1:])
+
+    generate, scored = mean_after_warmup("generate"), mean_after_warmup("generate and score")
+    phases = {"sample": generate, "score": scored - generate, "train": sum(steps_s) / len(steps_s) - scored}
+    return {"step_seconds": steps_s, "phases": phases}
 
 
 def run_child(*args: str) -> dict:
@@ -197,10 +225,13 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     table = Table(title=f"s / step: 4 prompts x G {GROUP} x {TOKENS} tokens, LoRA r{RANK}, beta {BETA}, 1 thread")
-    for column in ("model", "TRL GRPOTrainer", "ours: pipeline", "ours: plain loop", "pipeline / TRL", "plain / TRL"):
+    for column in ("hidden x layers", "TRL", "ours: pipeline", "ours: plain", "pipeline / TRL", "plain / TRL"):
         table.add_column(column, justify="right")
+    phases = Table(title="where a step goes, s: sample | score (reward + reference forward) | train")
+    for column in ("hidden x layers", "TRL", "ours: plain"):
+        phases.add_column(column, justify="right")
     with tempfile.TemporaryDirectory() as work:
         prompt_file = Path(work) / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -208,14 +239,19 @@ def main() -> None:
             hidden, layers = (int(x) for x in size.split("x"))
             folder = Path(work) / f"qwen3-{hidden}x{layers}"
             build_model(folder, hidden, layers)
-            seconds = {}
+            seconds, split = {}, {}
             for kind in ("trl", "pipeline", "plain"):
                 with console.status(f"hidden {hidden}, {layers} layers: {kind} ..."):
                     extra = [] if kind == "trl" else [str(prompt_file)]
                     result = run_child(kind, str(folder), *extra, "--steps", str(args.steps))
                 seconds[kind] = sum(result["step_seconds"]) / len(result["step_seconds"])
+                split[kind] = result.get("phases")
+            phases.add_row(
+                size,
+                *(" | ".join(f"{split[k][p]:.2f}" for p in ("sample", "score", "train")) for k in ("trl", "plain")),
+            )
             table.add_row(
-                f"hidden {hidden}, {layers} layers",
+                size,
                 f"{seconds['trl']:.2f}",
                 f"{seconds['pipeline']:.2f}",
                 f"{seconds['plain']:.2f}",
@@ -223,6 +259,7 @@ def main() -> None:
                 f"{seconds['plain'] / seconds['trl']:.2f}x",
             )
     console.print(table)
+    console.print(phases)
 
 
 if __name__ == "__main__":

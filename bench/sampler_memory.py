@@ -2,7 +2,8 @@
 
   stepwise           `core/sampling.py`: one token id and one logprob per sequence and step, recorded as drawn
   scores + logits    `generate(output_scores=True, output_logits=True)`, the bookkeeping a drift check after
-                     `generate` needs: every step's [batch, vocab] scores and logits
+                     `generate` needs: every step's [batch, vocab] scores and logits (one tensor each step here,
+                     where no logits processor makes the scores another tensor than the logits; two with one)
 
 each in a fresh process, on a tiny random Qwen3 with Qwen3's vocabulary (151,936), so the model itself weighs little
 and what grows is the bookkeeping. glibc's mmap threshold is fixed so freed blocks leave the resident set (see
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 VOCAB = 151_936
 KINDS = ("stepwise", "scores + logits")
@@ -104,14 +106,14 @@ def main() -> None:
         table.add_row(kind, f"{measured[kind]:.0f}", f"{measured[kind] / measured['stepwise']:.1f}x")
     console.print(table)
 
-    cfg = load_config(args.config, [])
+    cfg = load_config(Path(args.config), [])
     b, t = cfg.sampling.batch_size, cfg.sampling.max_new_tokens
     per_step_mib = b * VOCAB * 4 / 2**20  # one float32 [batch, vocab] tensor
     console.print(
         f"{args.config} (sampling.batch_size {b}, max_new_tokens {t}), vocab {VOCAB:,}:\n"
         f"  stepwise bookkeeping: {b * t * 12 / 2**10:.0f} KiB (an int64 id and a float32 logprob per token), plus "
-        f"the current step's [batch, vocab] tensors, {per_step_mib:.0f} MiB each, a handful at a time\n"
-        f"  scores + logits: {2 * b * t * per_step_mib / 2**10:.1f} GiB held until generate returns"
+        f"the current step's \\[batch, vocab] tensors, {per_step_mib:.0f} MiB each, a handful at a time\n"
+        f"  scores + logits: {2 * t * per_step_mib / 2**10:.1f} GiB held until generate returns (one copy each)"
     )
 
 
