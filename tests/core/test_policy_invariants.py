@@ -251,3 +251,16 @@ def test_check_trainable_refuses_trainable_weights_outside_the_adapter(tiny_poli
     tiny_policy.model.get_input_embeddings().weight.requires_grad_(True)
     with pytest.raises(PolicyError, match="outside the LoRA adapter"):
         check_trainable(tiny_policy)
+
+
+def test_bfloat16_weights_sample_and_train_with_float32_logprob_math(embedded_assets):
+    policy = load_policy(ModelConfig(dtype="bfloat16"), 1.0, torch.device("cpu"), 0)
+    assert next(policy.model.get_base_model().parameters()).dtype == torch.bfloat16
+    prompt_ids, completions = _sample(policy, max_new_tokens=24)
+    recorded = torch.tensor([lp for c in completions for lp in c.sample_logprobs])
+    # float32 math: most logprobs are not bfloat16 values (8 significant bits) rounded back
+    assert (recorded.to(torch.bfloat16).float() != recorded).float().mean() > 0.9
+    cfg = TrainingConfig()
+    stats = policy_gradient_step(policy, make_optimizer(policy, cfg), _batch(prompt_ids, completions), cfg)
+    assert stats.first_ratio_abs_dev < cfg.ratio_tolerance  # the cached decode and the full forward agree
+    assert math.isfinite(stats.grad_norm) and stats.grad_norm > 0
