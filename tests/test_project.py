@@ -35,7 +35,7 @@ ALLOWED_IMPORTS = {  # package -> the project packages (or modules) it may impor
     "core": {"core", "embedded"},
     "storage": {"storage", "core"},
     "server": {"server", "core"},
-    "tasks": {"tasks", "storage", "core", "server.client"},
+    "tasks": {"tasks", "storage", "core", "server.client", "server.vllm_client"},
     "flows": {"flows", "tasks", "storage", "core"},
     "cli": {"cli", "flows", "tasks", "server", "storage", "core"},
 }
