@@ -108,7 +108,7 @@ def build_app(model: str, logprob_noise: float = 0.0) -> FastAPI:
         if base.generation_config.eos_token_id is not None:  # vLLM stops on the model's eos too
             eos = base.generation_config.eos_token_id
             stops += [t for t in (eos if isinstance(eos, list) else [eos]) if t not in stops]
-        choices = []
+        choices, tokens = [], 0
         with lock:
             served = state["model"]
             adapters_on = isinstance(served, PeftModel)
@@ -120,6 +120,7 @@ def build_app(model: str, logprob_noise: float = 0.0) -> FastAPI:
                     with served.disable_adapter() if adapters_on and name == model else contextlib.nullcontext():
                         (drawn,) = sample_completions(policy, [prompt], 1, max_tokens, 1, seed + g)
                     ids = drawn.completion_ids
+                    tokens += len(ids)
                     logprobs = [
                         lp + logprob_noise * math.sin(t) for lp, t in zip(drawn.sample_logprobs, ids, strict=True)
                     ]
@@ -141,7 +142,6 @@ def build_app(model: str, logprob_noise: float = 0.0) -> FastAPI:
                             "stop_reason": ids[-1] if drawn.finish_reason == "stop" else None,
                         }
                     )
-        tokens = sum(len(c["logprobs"]["tokens"]) if c["logprobs"] else 0 for c in choices)
         return {
             "id": f"cmpl-{seed}",
             "object": "text_completion",

@@ -1,0 +1,54 @@
+"""A random-weight model of Qwen3-4B's shape, saved with the embedded tokenizer, for the GPU benchmarks: no weights are
+downloaded (the GPU machines have no network), and speed and memory depend on the shape, not on the values.
+`--tiny` builds a small model of the same architecture, to try a benchmark on a CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Qwen/Qwen3-4B's config.json (Qwen3-4B-Instruct-2507 has the same shape)
+QWEN3_4B = {
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151_936,
+    "max_position_embeddings": 40_960,
+    "rope_theta": 1_000_000.0,
+    "tie_word_embeddings": True,
+}
+TINY = {**QWEN3_4B, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
+TINY.update(num_key_value_heads=2, head_dim=16, vocab_size=4096)
+
+
+def build(folder: Path, tiny: bool = False) -> Path:
+    """Save the model (bfloat16) and the embedded tokenizer to `folder` once; return it."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from redteam_grpo.core.config import ModelConfig
+    from redteam_grpo.core.policy import load_tokenizer
+
+    transformers_logging.disable_progress_bar()
+    tokenizer = load_tokenizer(ModelConfig())
+    config = Qwen3Config(**(TINY if tiny else QWEN3_4B), pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def parameters(config: dict) -> int:
+    """Parameters of a Qwen3 of this shape (tied embeddings), the N of the FLOPs count."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * config["head_dim"]
+    return layers * per_layer + config["vocab_size"] * h + h
