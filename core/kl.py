@@ -46,6 +46,18 @@ def _sampled_logprobs(
 
 
 @torch.no_grad()
+def reference_logprobs(
+    policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi_ref,T(y) of every completion token (adapters off, the sampling distribution) and the mask: [B, C] on the
+    CPU. The one place the reference side is computed; alone, for a caller that has the policy's side from the
+    sampler."""
+    with policy.reference():
+        reference_lp_B_C, mask_B_C = _sampled_logprobs(policy, prompt_ids, completion_ids)
+    return reference_lp_B_C.cpu(), mask_B_C.cpu()
+
+
+@torch.no_grad()
 def policy_entropy_reference_logprobs(
     policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,20 +66,8 @@ def policy_entropy_reference_logprobs(
     logits_B_C_V, ids_B_C, mask_B_C = completion_logits(policy, prompt_ids, completion_ids)
     logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
     policy_lp_B_C, entropy_B_C = token_logprobs(logprobs_B_C_V, ids_B_C), entropy(logprobs_B_C_V)
-    with policy.reference():
-        reference_lp_B_C, _ = _sampled_logprobs(policy, prompt_ids, completion_ids)
-    return policy_lp_B_C.cpu(), reference_lp_B_C.cpu(), entropy_B_C.cpu(), mask_B_C.cpu()
-
-
-@torch.no_grad()
-def reference_logprobs(
-    policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi_ref,T(y) of every completion token (adapters off, the sampling distribution) and the mask: [B, C] on the
-    CPU; for a caller that has the policy's side from the sampler."""
-    with policy.reference():
-        reference_lp_B_C, mask_B_C = _sampled_logprobs(policy, prompt_ids, completion_ids)
-    return reference_lp_B_C.cpu(), mask_B_C.cpu()
+    reference_lp_B_C, _ = reference_logprobs(policy, prompt_ids, completion_ids)
+    return policy_lp_B_C.cpu(), reference_lp_B_C, entropy_B_C.cpu(), mask_B_C.cpu()
 
 
 @torch.no_grad()
@@ -78,6 +78,5 @@ def policy_reference_logprobs(
     (temperature and suppressed ids of `policy.distribution`), and the completion mask: three [B, C] on the CPU.
     Masked positions may hold -inf."""
     policy_lp_B_C, mask_B_C = _sampled_logprobs(policy, prompt_ids, completion_ids)
-    with policy.reference():
-        reference_lp_B_C, _ = _sampled_logprobs(policy, prompt_ids, completion_ids)
-    return policy_lp_B_C.cpu(), reference_lp_B_C.cpu(), mask_B_C.cpu()
+    reference_lp_B_C, _ = reference_logprobs(policy, prompt_ids, completion_ids)
+    return policy_lp_B_C.cpu(), reference_lp_B_C, mask_B_C.cpu()

@@ -110,9 +110,8 @@ def sample_completions(
     model = policy.model
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # what `generate` runs
     completions: list[Completion] = []
-    forked = (
-        [policy.device] if policy.device.type == "cuda" else []
-    )  # generate's draw on the one-hot uses the global RNG
+    # generate's own draw on the one-hot uses the global RNG: fork it, so a caller's random state is left alone
+    forked = [policy.device] if policy.device.type == "cuda" else []
     for start in range(0, len(jobs), batch_size):
         chunk = jobs[start : start + batch_size]
         ids, mask = _left_pad([prompt_ids[p] for p, _ in chunk], policy.pad_id)
