@@ -39,7 +39,10 @@ _PROJECT_ERRORS = (
     ("redteam_grpo.tasks.train_step", "JoinError"),
 )
 # Exit 1 rather than 2: the input was fine, a service was not; the run resumes from the stage that failed.
-_SERVICE_ERRORS = (("redteam_grpo.server.client", "RewardServiceError"),)
+_SERVICE_ERRORS = (
+    ("redteam_grpo.server.client", "RewardServiceError"),
+    ("redteam_grpo.server.vllm_client", "SamplerError"),
+)
 
 
 def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:

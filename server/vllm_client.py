@@ -96,6 +96,11 @@ class VllmSampler:
                 problem = f"HTTP {response.status_code}"
             except RETRIED_ERRORS as exc:
                 problem = f"{type(exc).__name__}: {exc}"
+            except httpx.TransportError as exc:  # a URL no attempt can send to (e.g. no http:// scheme)
+                raise SamplerError(
+                    f"cannot send a request to the vLLM sampler at {self.url} ({type(exc).__name__}: {exc}); "
+                    "check sampling.vllm_url"
+                ) from None
             if attempt == self.retries:
                 raise SamplerError(
                     f"the vLLM sampler at {self.url} did not answer {path} ({problem}) after {self.retries} retries: "
@@ -113,6 +118,8 @@ class VllmSampler:
                     return
             except RETRIED_ERRORS:
                 pass
+            except httpx.TransportError as exc:
+                raise SamplerError(f"cannot reach {self.url} ({exc}); check sampling.vllm_url") from None
             if time.monotonic() > deadline:
                 raise SamplerError(f"the vLLM sampler at {self.url} was not ready after {timeout_s:.0f} s")
             time.sleep(1.0)

@@ -109,6 +109,14 @@ def test_answers_outside_the_rollouts_contract_are_refused(choice, message):
         client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], list(range(10)))
 
 
+def test_a_url_no_request_can_be_sent_to_names_the_setting():
+    client = VllmSampler("localhost:8100")  # no scheme: no attempt could send it, so none is retried
+    with pytest.raises(SamplerError, match=r"check sampling\.vllm_url"):
+        client.wait_ready(timeout_s=1)
+    with pytest.raises(SamplerError, match=r"check sampling\.vllm_url"):
+        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], list(range(10)))
+
+
 def test_an_unreachable_server_is_an_error_that_names_the_way_out():
     client = VllmSampler("http://127.0.0.1:9", retries=1, backoff_s=0.0, timeout_s=2)
     with pytest.raises(SamplerError, match="serve-sampler"):
