@@ -37,11 +37,13 @@ _PROJECT_ERRORS = (
     ("redteam_grpo.tasks.checkpoint", "AttackerError"),
     ("redteam_grpo.tasks.infer", "InferenceError"),
     ("redteam_grpo.tasks.train_step", "JoinError"),
+    ("redteam_grpo.flows.runtime", "RuntimeSetupError"),
 )
 # Exit 1 rather than 2: the input was fine, a service was not; the run resumes from the stage that failed.
 _SERVICE_ERRORS = (
     ("redteam_grpo.server.client", "RewardServiceError"),
     ("redteam_grpo.server.vllm_client", "SamplerError"),
+    ("redteam_grpo.tasks.common", "ShardError"),
 )
 
 

@@ -152,6 +152,12 @@ class TrainingConfig(_Section):
     logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
     """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
     mismatch of another engine's kernels, sampling.backend=vllm)."""
+    launcher: Literal["single", "torchrun"] = "single"
+    """How the train step runs. `single`: in the run's process. `torchrun`: data-parallel over `nproc` processes
+    started by `torchrun` on this machine (one per GPU; gloo on the CPU): each takes a share of the micro-batches,
+    their gradients are summed before the step, so the update equals the single-process one."""
+    nproc: int = Field(2, ge=1)
+    """Processes of the torchrun launcher (GPUs of this machine)."""
 
     @model_validator(mode="after")
     def _clip_ranges_and_cap_are_usable(self) -> TrainingConfig:
@@ -345,6 +351,33 @@ class LoggingConfig(_Section):
     """How many of the iteration's completions, by reward, the top-examples artifact shows."""
 
 
+class RuntimeConfig(_Section):
+    task_runner: Literal["local", "ray"] = "local"
+    """Where the sample and score stages' shards run. `local`: one after the other in the run's process. `ray`: as
+    Prefect tasks on Ray workers (prefect-ray), in parallel; the run directory must be on storage every worker
+    reads and writes at the same path."""
+    ray_address: str | None = None
+    """The Ray cluster to use (`ray://head:10001`, or `auto` for the one this machine belongs to); None starts a
+    local Ray instance for the run."""
+    ray_num_cpus: int | None = Field(None, gt=0)
+    """CPUs of the local Ray instance (ray_address None); None: all of this machine's."""
+    shards: int = Field(1, ge=1)
+    """Shards of an iteration's prompts (at most data.prompts_per_iteration): the sample and score stages write one
+    Parquet part per shard, each recorded when it completes, so a failed shard is retried alone and a resumed run
+    computes only the missing ones. Each shard has its own sampling seed: the rows depend on the number of shards,
+    not on how many workers ran them."""
+    shard_retries: int = Field(1, ge=0)
+    """Retries of a failed shard (a Prefect task retry, on any worker) before the stage fails."""
+    shard_cpus: float = Field(1.0, gt=0.0)
+    """CPUs Ray reserves for one shard task."""
+    shard_gpus: float = Field(0.0, ge=0.0)
+    """GPUs Ray reserves for one shard task (e.g. 1, or 0.5 to put two shards on one GPU)."""
+    gpu_slot: str | None = None
+    """The name of a Prefect global concurrency limit (`redteam-grpo gpu-slots create NAME`): the run holds one of
+    its slots from its first to its last stage, so scheduled runs do not share a GPU; a run waits for a free slot.
+    None: no slot is taken."""
+
+
 class RunConfig(_Section):
     """The whole configuration of one run."""
 
@@ -396,8 +429,25 @@ class Config(_Section):
     """Defense mode (run.mode=defense)."""
     logging: LoggingConfig = LoggingConfig()
     """Logging and progress."""
+    runtime: RuntimeConfig = RuntimeConfig()
+    """Where the stages run: Ray for the sample and score shards, torchrun for the train step (training.launcher),
+    a GPU slot."""
     run: RunConfig = RunConfig()
     """Run directory, length, seed, early stopping."""
+
+    @model_validator(mode="after")
+    def _shards_fit(self) -> Config:
+        if self.runtime.shards > self.data.prompts_per_iteration:
+            raise ValueError(
+                f"runtime.shards={self.runtime.shards} is more than data.prompts_per_iteration="
+                f"{self.data.prompts_per_iteration}: a shard is at least one prompt's group. Lower runtime.shards"
+            )
+        if self.runtime.shards > 1 and self.sampling.backend == "vllm":
+            raise ValueError(
+                "sampling.backend=vllm samples the whole iteration on the vLLM server, which batches it itself: "
+                "set runtime.shards=1 (or sampling.backend=hf to shard in-process sampling)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _vllm_sampler_is_usable(self) -> Config:
@@ -487,6 +537,16 @@ RESUMABLE_CHANGES = (
     "reward.backoff_s",
     # Where the vLLM sampler runs; every response is checked to come from the adapter the stage loaded.
     "sampling.vllm_url",
+    # Where stages run: the rows depend on runtime.shards, not on the runner, workers or launcher.
+    "runtime.task_runner",
+    "runtime.ray_address",
+    "runtime.ray_num_cpus",
+    "runtime.shard_retries",
+    "runtime.shard_cpus",
+    "runtime.shard_gpus",
+    "runtime.gpu_slot",
+    "training.launcher",
+    "training.nproc",
 )
 
 

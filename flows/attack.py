@@ -43,6 +43,7 @@ from redteam_grpo.core.data import Prompt, check_prompt_lengths, load_prompts
 from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
+from redteam_grpo.flows.runtime import gpu_slot, iteration_flow_for, ray_session
 from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.rundir import MODE_COMMANDS, RunDir, RunDirError, new_run_id, parse_redo
@@ -240,17 +241,19 @@ def run_iterations(run: RunDir, iteration_flow: Any, on_iteration: Any) -> str:
     start = done[-1] + 1 if done else 0
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     run.set_status("running")
+    iteration_flow = iteration_flow_for(iteration_flow, cfg.runtime)
     try:
-        initialize_stage(str(run.root))
-        if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
-            return str(run.root)
-        for iteration in range(start, cfg.run.iterations):
-            with without_heartbeats():
-                metrics = iteration_flow(str(run.root), run.run_id, iteration)
-            if on_iteration is not None:
-                on_iteration(metrics)
-            if _stopped(run, iteration, cfg, metrics):
+        with gpu_slot(cfg.runtime), ray_session(cfg.runtime):
+            initialize_stage(str(run.root))
+            if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
                 return str(run.root)
+            for iteration in range(start, cfg.run.iterations):
+                with without_heartbeats():
+                    metrics = iteration_flow(str(run.root), run.run_id, iteration)
+                if on_iteration is not None:
+                    on_iteration(metrics)
+                if _stopped(run, iteration, cfg, metrics):
+                    return str(run.root)
         run.set_status("completed")
         return str(run.root)
     except STOP_EXCEPTIONS as stop:

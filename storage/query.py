@@ -34,9 +34,9 @@ def connect(run: RunDir) -> duckdb.DuckDBPyConnection:
         files = []
         for iteration in run.recorded_iterations(stage):
             run.verify(stage, iteration, weights=False)  # missing or changed: an error, never skipped
-            path = run.path(stage, iteration)
-            schemas.check_schema(pq.read_schema(path), schema, str(path))
-            files.append(path)
+            for path in run.table_paths(stage, iteration):  # a sharded stage's parts are one table
+                schemas.check_schema(pq.read_schema(path), schema, str(path))
+                files.append(path)
         if files:
             listed = ", ".join("'" + str(p).replace("'", "''") + "'" for p in files)
             con.execute(f"create view {view} as select * from read_parquet([{listed}])")

@@ -4,6 +4,7 @@
       config.json                 the resolved config (a resumed run must match it)
       manifest.json               completed stages with their files' sha256, run status
       iter_0000/rollouts.parquet  scores.parquet  advantages.parquet  train_metrics.parquet
+      iter_0000/rollouts-00000-of-00004.parquet ...   runtime.shards=4: one part per shard (the manifest lists them)
       checkpoints/init/           the adapter before any update (LoRA init is random)
       checkpoints/iter_0000/      adapter.safetensors optimizer.safetensors rng.safetensors manifest.json
 
@@ -42,8 +43,12 @@ from redteam_grpo.storage.stages import (
 )
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 4
+RUN_FORMAT = 5
 FORMAT_CHANGES = {
+    4: (
+        "scores.parquet gained scorer_truncated, the sample and score stages may be split into parts "
+        "(runtime.shards)"
+    ),
     3: (
         "train_metrics.parquet gained logprob_mismatch_mean, _max and _share (trainer vs sampler logprobs), and the "
         "sampler draws each token itself (other samples for the same seed)"
@@ -178,15 +183,85 @@ class RunDir:
         any value is used."""
         assert stage.schema is not None
         self.verify(stage, iteration, weights=False)
-        return schemas.read_table(self.path(stage, iteration), stage.schema)
+        return self._read_parts(stage, self.table_paths(stage, iteration))
 
-    def write(self, stage: Stage, iteration: int, table: pa.Table) -> Path:
-        """Write the stage's table atomically (a temporary name, then a rename); not yet recorded as done."""
+    def read_part(self, stage: Stage, iteration: int, shard: int, shards: int) -> pa.Table:
+        """Shard `shard`'s part of a completed stage's table (checked like `read`): the next stage's shard input."""
         assert stage.schema is not None
-        schemas.check_schema(table.schema, stage.schema, f"{stage.label} of iteration {iteration}")
-        path = self.path(stage, iteration)
+        self.verify(stage, iteration, weights=False)
+        paths = self.table_paths(stage, iteration)
+        if len(paths) != shards:
+            raise RunDirError(
+                f"{stage.name} of iteration {iteration} was recorded in {len(paths)} parts, not runtime.shards={shards}"
+            )
+        return schemas.read_table(paths[shard], stage.schema)
+
+    def _read_parts(self, stage: Stage, paths: list[Path]) -> pa.Table:
+        assert stage.schema is not None
+        tables = [schemas.read_table(path, stage.schema) for path in paths]
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+    def write(self, stage: Stage, iteration: int, table: pa.Table, path: Path | None = None) -> Path:
+        """Write the stage's table (or one shard's part of it, at `path`) atomically (a temporary name, then a
+        rename); not yet recorded as done."""
+        assert stage.schema is not None
+        path = path or self.path(stage, iteration)
+        schemas.check_schema(table.schema, stage.schema, f"{path.name} of iteration {iteration}")
         write_atomic(path, lambda tmp: pq.write_table(table, tmp))
         return path
+
+    # -- shards: one Parquet part per shard, recorded as each completes ------------------------------------
+
+    def part_path(self, stage: Stage, iteration: int, shard: int, shards: int) -> Path:
+        """Shard `shard`'s part of the stage's table: `rollouts-00001-of-00004.parquet`; with one shard the
+        stage's own file."""
+        if shards == 1:
+            return self.path(stage, iteration)
+        stem = self.path(stage, iteration).name.removesuffix(".parquet")
+        return self.iteration_dir(iteration) / f"{stem}-{shard:05d}-of-{shards:05d}.parquet"
+
+    def table_paths(self, stage: Stage, iteration: int) -> list[Path]:
+        """The files that hold the stage's table, in shard order: the parts it was recorded with, or its file."""
+        entry = self.manifest()["stages"].get(_manifest_key(stage, iteration)) or {}
+        parts = entry.get("parts")
+        return [self.root / rel for rel in parts] if parts else [self.path(stage, iteration)]
+
+    def record_part(self, stage: Stage, iteration: int, shard: int, path: Path, rows: int) -> None:
+        """Record one shard's part as completed (its sha256 and rows); the stage is recorded when all are."""
+        entry = {
+            "files": {str(path.relative_to(self.root)): sha256_file(path)},
+            "rows": rows,
+            "completed_at": dt.datetime.now(dt.UTC).isoformat(),
+        }
+        key = _manifest_key(stage, iteration)
+        self._update_manifest(
+            lambda data: data.setdefault("shards", {}).setdefault(key, {}).__setitem__(str(shard), entry)
+        )
+
+    def completed_part(self, stage: Stage, iteration: int, shard: int) -> dict[str, Any] | None:
+        """The record of a shard's part if it completed and its file is intact, else None (computed again)."""
+        entry = self.manifest().get("shards", {}).get(_manifest_key(stage, iteration), {}).get(str(shard))
+        if entry is None:
+            return None
+        if any(file_digest(self.root / rel) != digest for rel, digest in entry["files"].items()):
+            return None
+        return entry
+
+    def read_parts(self, stage: Stage, iteration: int, paths: list[Path]) -> pa.Table:
+        """The recorded, intact parts at `paths` as one table (before the stage itself is recorded)."""
+        recorded = {
+            rel: digest
+            for part in self.manifest().get("shards", {}).get(_manifest_key(stage, iteration), {}).values()
+            for rel, digest in part["files"].items()
+        }
+        for path in paths:
+            rel = str(path.relative_to(self.root))
+            if rel not in recorded or file_digest(path) != recorded[rel]:
+                raise DamagedRunError(
+                    f"{path} is not a recorded, intact part of {stage.name} of iteration {iteration}: resume the run "
+                    f"(redteam-grpo {self.command} --resume {self.root}) to compute it again"
+                )
+        return self._read_parts(stage, paths)
 
     # -- creation and resume -------------------------------------------------------------------------------
 
@@ -330,15 +405,24 @@ class RunDir:
             change(data)
             write_json_atomic(self.manifest_path, data)
 
-    def record_done(self, stage: Stage, iteration: int, files: list[Path], **info: Any) -> None:
-        """Record the stage of `iteration` as completed, with the sha256 of each file it wrote."""
+    def record_done(
+        self, stage: Stage, iteration: int, files: list[Path], parts: list[Path] | None = None, **info: Any
+    ) -> None:
+        """Record the stage of `iteration` as completed, with the sha256 of each file it wrote; `parts`: the files
+        that hold its table, when it was computed in shards (their shard records are folded into this one)."""
         entry = {
-            "files": {str(p.relative_to(self.root)): sha256_file(p) for p in files},
+            "files": {str(p.relative_to(self.root)): file_digest(p) or sha256_file(p) for p in files},
+            **({"parts": [str(p.relative_to(self.root)) for p in parts]} if parts else {}),
             "completed_at": dt.datetime.now(dt.UTC).isoformat(),
             **info,
         }
         key = _manifest_key(stage, iteration)
-        self._update_manifest(lambda data: data["stages"].__setitem__(key, entry))
+
+        def change(data: dict[str, Any]) -> None:
+            data["stages"][key] = entry
+            data.get("shards", {}).pop(key, None)
+
+        self._update_manifest(change)
 
     def completed(self, stage: Stage, iteration: int) -> dict[str, Any] | None:
         """The manifest entry if the stage of `iteration` completed and its files are intact, else None (the
@@ -361,9 +445,11 @@ class RunDir:
                 f"{stage.name} of iteration {iteration} is not recorded as completed in {self.manifest_path}: "
                 f"resume the run (redteam-grpo {self.command} --resume {self.root})"
             )
-        table = str(self.path(stage, iteration).relative_to(self.root)) if stage.file else None
+        tables = set(
+            entry.get("parts") or ([str(self.path(stage, iteration).relative_to(self.root))] if stage.file else [])
+        )
         for rel, digest in entry["files"].items():
-            if not weights and rel != table:
+            if not weights and rel not in tables:
                 continue
             found = file_digest(self.root / rel)
             if found != digest:
@@ -419,6 +505,9 @@ class RunDir:
         def change(data: dict[str, Any]) -> None:
             for key in keys:
                 data["stages"].pop(key, None)
+            shards = data.get("shards", {})
+            for key in [k for k in shards if _pipeline_order(k) >= first]:  # parts of a stage still in shards
+                del shards[key]
             data.update(status="running")
             data.pop("stop_kind", None)
             data.pop("stop_reason", None)
@@ -430,10 +519,6 @@ class RunDir:
         """Iterations whose `stage` the manifest records as completed (files not re-checked), in order."""
         keys = (_parse_manifest_key(k) for k in self.manifest()["stages"])
         return sorted(iteration for iteration, name in keys if name == stage.name)
-
-    def recorded_files(self, stage: Stage) -> list[Path]:
-        """The stage's files of every iteration the manifest records as completed, in iteration order."""
-        return [self.path(stage, i) for i in self.recorded_iterations(stage)]
 
     def set_status(self, status: str, **info: Any) -> None:
         self._update_manifest(lambda data: data.update(status=status, **info))

@@ -48,6 +48,7 @@ SCORES = pa.schema(
         pa.field("scorer_kind", pa.string(), nullable=False),  # classifier | judge
         pa.field("categories", pa.list_(pa.string()), nullable=False),  # a judge's hazard codes, e.g. ["S10"]
         pa.field("refusal", pa.bool_(), nullable=False),  # the completion opens as a refusal
+        pa.field("scorer_truncated", pa.bool_(), nullable=False),  # the scorer read only the text's beginning
         pa.field("novelty", pa.float64(), nullable=True),  # null when reward.novelty_weight is 0
         pa.field("embedding", pa.list_(pa.float32()), nullable=True),  # unit norm; later iterations' novelty memory
         pa.field("repetition_ratio", pa.float64(), nullable=False),

@@ -107,7 +107,7 @@ def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top
         folder.resolve().as_uri(),
         link_text=f"{rid} iteration {iteration}: Parquet files",
         key=artifact_key(rid, "parquet"),
-        description=files_markdown([run.path(stage, iteration) for stage in TABLE_STAGES]),
+        description=files_markdown([p for stage in TABLE_STAGES for p in run.table_paths(stage, iteration)]),
     )
 
 

@@ -20,7 +20,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage.stages import ATTACK
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
-from redteam_grpo.tasks.sample import sample_rollouts
+from redteam_grpo.tasks.sample import rollouts_stats, sample_rollouts
 
 
 @task(name=ATTACK.name, cache_policy=NO_CACHE)
@@ -34,7 +34,7 @@ def attack_stage(run_dir: str, iteration: int) -> str:
             res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
         )
         with res.policy.role(ATTACKER):
-            return sample_rollouts(
+            table = sample_rollouts(
                 res.policy,
                 res.run.run_id,
                 iteration,
@@ -46,5 +46,6 @@ def attack_stage(run_dir: str, iteration: int) -> str:
                 cfg.sampling.batch_size,
                 derive_seed(cfg.run.seed, "attack", iteration),
             )
+        return table, rollouts_stats(table, res.policy)
 
     return run_table_stage(res.run, ATTACK, iteration, compute)

@@ -19,13 +19,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.novelty import novelty_scores
-from redteam_grpo.core.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios, score_stats
+from redteam_grpo.core.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios
 from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
-from redteam_grpo.tasks.score import novelty_memory, policy_terms, scores_table
+from redteam_grpo.tasks.score import novelty_memory, policy_terms, scores_stats, scores_table
 
 
 def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[str, dict[str, Any]]:
@@ -101,9 +101,21 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
         refused = [per_prompt[k]["refusal_share"] >= 0.5 for k in keys]
         categories = [per_prompt[k]["categories"] for k in keys]
         info = res.scoring.describe().scorer
+        truncated = [False] * n  # the judge's scores of the defender's responses, not of these prompts
         table = scores_table(
-            attacks, harm, info, categories, refused, novelty, embeddings, repetition, terms, reward, "attack_scores"
+            attacks,
+            harm,
+            info,
+            categories,
+            refused,
+            truncated,
+            novelty,
+            embeddings,
+            repetition,
+            terms,
+            reward,
+            "attack_scores",
         )
-        return table, score_stats(harm, repetition, novelty, refused, terms.kl, [False] * n)
+        return table, scores_stats(table)
 
     return run_table_stage(res.run, ATTACK_SCORE, iteration, compute)

@@ -1,4 +1,5 @@
-"""The skeleton every table stage shares: skip when completed, write atomically, record in the manifest."""
+"""The skeleton every table stage shares: skip when completed, write atomically, record in the manifest; and its
+sharded form (runtime.shards), whose parts are recorded one by one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from prefect import Task
 
+from redteam_grpo.core.config import RuntimeConfig
 from redteam_grpo.storage import interrupts
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import Stage
@@ -41,3 +44,78 @@ def run_table_stage(
         run.write(stage, iteration, table)
         run.record_done(stage, iteration, [path, *also_written], rows=table.num_rows, stats=_as_dict(stats))
     return str(path)
+
+
+class ShardError(RuntimeError):
+    """Shards of a stage failed after their retries; the completed ones are recorded and kept."""
+
+
+def run_sharded_stage(
+    run: RunDir,
+    stage: Stage,
+    iteration: int,
+    runtime: RuntimeConfig,
+    shard_task: Task,
+    stats_of: Callable[[pa.Table], Any],
+) -> str:
+    """Compute the stage's table as `runtime.shards` parts unless it is recorded completed; return its first part.
+
+    `shard_task(run_dir, iteration, shard)` writes one shard's part (`run.part_path`) and returns its path and
+    rows. Each part is recorded in the manifest as soon as it completes, so a shard that fails (after
+    `runtime.shard_retries` Prefect retries) fails the stage without losing the others, and a resumed run computes
+    only the missing parts. `runtime.task_runner=ray`: the shards are submitted to the flow's task runner (a
+    prefect-ray `RayTaskRunner`, `flows/runtime.py`) and run in parallel; `local`: one after the other, here.
+    When every part is in place, `stats_of(table)` computes the stage's statistics once over all of them.
+    """
+    log = stage_logger()
+    first = run.part_path(stage, iteration, 0, runtime.shards)
+    if run.completed(stage, iteration):
+        log.info("iteration %d: %s already completed, not recomputed", iteration, stage.name)
+        return str(first)
+    missing = [k for k in range(runtime.shards) if run.completed_part(stage, iteration, k) is None]
+    if runtime.shards > 1:
+        log.info("iteration %d: %s: %d of %d shards to compute", iteration, stage.name, len(missing), runtime.shards)
+    task = shard_task.with_options(retries=runtime.shard_retries)
+    root = str(run.root.resolve())  # a worker's working directory may be another
+
+    def record(shard: int, result: tuple[str, int]) -> None:
+        path, rows = result
+        expected = run.part_path(stage, iteration, shard, runtime.shards).resolve()
+        if Path(path).resolve() != expected:
+            raise ShardError(f"shard {shard} of {stage.name} wrote {path}, not its part {expected}")
+        with interrupts.recording():
+            run.record_part(stage, iteration, shard, run.part_path(stage, iteration, shard, runtime.shards), rows)
+
+    if runtime.task_runner == "ray":
+        from prefect.futures import as_completed
+        from prefect_ray.context import remote_options
+
+        with remote_options(num_cpus=runtime.shard_cpus, num_gpus=runtime.shard_gpus):
+            futures = {task.submit(root, iteration, k): k for k in missing}
+        failed: list[tuple[int, BaseException]] = []
+        for future in as_completed(list(futures)):
+            shard = futures[future]
+            try:
+                result = future.result()
+            except Exception as exc:  # the others go on; this one is reported below
+                failed.append((shard, exc))
+                continue
+            record(shard, result)
+        if failed:
+            shard, exc = failed[0]
+            raise ShardError(
+                f"{len(failed)} of {runtime.shards} shards of {stage.name} of iteration {iteration} failed after "
+                f"{runtime.shard_retries} retries (shard {shard}: {type(exc).__name__}: {exc}); the others are "
+                f"recorded. Resume the run (redteam-grpo {run.command} --resume {run.root}) to compute only the "
+                "failed ones"
+            ) from exc
+    else:
+        for shard in missing:
+            record(shard, task(root, iteration, shard))
+
+    parts = [run.part_path(stage, iteration, k, runtime.shards) for k in range(runtime.shards)]
+    table = run.read_parts(stage, iteration, parts)
+    stats = stats_of(table)
+    with interrupts.recording():
+        run.record_done(stage, iteration, parts, parts=parts, rows=table.num_rows, stats=_as_dict(stats))
+    return str(first)

@@ -7,7 +7,6 @@ the policy is the defender; the stage is otherwise the same.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import pyarrow as pa
 from prefect import task
@@ -18,11 +17,11 @@ from redteam_grpo.core.data import Prompt, check_prompt_lengths, prompts_for_ite
 from redteam_grpo.core.diagnostics import RolloutStats, rollout_stats
 from redteam_grpo.core.policy import Policy
 from redteam_grpo.core.sampling import Completion, sample_completions
-from redteam_grpo.core.seeds import derive_seed
+from redteam_grpo.core.shards import shard_seed, shard_span
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK, SAMPLE
-from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.common import run_sharded_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import RunResources, resources_for
 
@@ -42,9 +41,9 @@ def sample_rollouts(
     batch_size: int,
     seed: int,
     draw: Callable[[list[list[int]]], list[Completion]] | None = None,
-) -> tuple[pa.Table, RolloutStats]:
+) -> pa.Table:
     """Sample `samples_per_prompt` completions of every prompt with the active adapter; the rollouts table (prompt
-    ids exactly as fed, completion ids exactly as drawn, one sampling logprob per token) and its statistics.
+    ids exactly as fed, completion ids exactly as drawn, one sampling logprob per token).
     `draw(prompt_ids)`: another sampler of the same contract (the vLLM server's client) instead of the in-process
     one."""
     tokenizer = policy.tokenizer
@@ -77,7 +76,17 @@ def sample_rollouts(
         schemas.ROLLOUTS,
         "rollouts",
     )
-    return table, rollout_stats(completion_ids, finish_reasons, policy.end_of_turn_ids, policy.turn_header_ids)
+    return table
+
+
+def rollouts_stats(table: pa.Table, policy: Policy) -> RolloutStats:
+    """The statistics of a rollouts table (every part of a sharded stage at once): lengths, truncation, turn ends."""
+    return rollout_stats(
+        table.column("completion_token_ids").to_pylist(),
+        table.column("finish_reason").to_pylist(),
+        policy.end_of_turn_ids,
+        policy.turn_header_ids,
+    )
 
 
 def vllm_draw(res: RunResources, version: int, seed: int) -> Callable[[list[list[int]]], list[Completion]]:
@@ -113,33 +122,45 @@ def attacker_prompts(run: RunDir, iteration: int) -> list[Prompt]:
     ]
 
 
-@task(name=SAMPLE.name, cache_policy=NO_CACHE)
-def sample_stage(run_dir: str, iteration: int) -> str:
+def iteration_prompts(res: RunResources, iteration: int) -> list[Prompt]:
+    """The prompts of `iteration`, in order: a draw of the prompt source; defense: the attacker's prompts."""
+    cfg = res.config
+    if cfg.run.mode == "defense":
+        return attacker_prompts(res.run, iteration)
+    return prompts_for_iteration(res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle)
+
+
+@task(name="sample-shard", task_run_name="sample-{iteration}-shard-{shard}", cache_policy=NO_CACHE)
+def sample_shard(run_dir: str, iteration: int, shard: int) -> tuple[str, int]:
+    """Sample shard `shard` of the iteration's prompts with the weights after iteration - 1 and the shard's own seed;
+    write its part of the rollouts table. Returns the part's path and rows."""
     res = resources_for(run_dir)
     cfg = res.config
+    res.ensure_version(iteration - 1)
+    prompts = iteration_prompts(res, iteration)
+    prompts = [prompts[i] for i in shard_span(len(prompts), cfg.runtime.shards, shard)]
+    seed = shard_seed(cfg.run.seed, "sample", iteration, shard, cfg.runtime.shards)
+    draw = vllm_draw(res, iteration - 1, seed) if cfg.sampling.backend == "vllm" else None
+    table = sample_rollouts(
+        res.policy,
+        res.run.run_id,
+        iteration,
+        prompts,
+        cfg.model.system_prompt,
+        cfg.model.max_prompt_tokens,
+        cfg.sampling.group_size,
+        cfg.sampling.max_new_tokens,
+        cfg.sampling.batch_size,
+        seed,
+        draw,
+    )
+    path = res.run.write(SAMPLE, iteration, table, res.run.part_path(SAMPLE, iteration, shard, cfg.runtime.shards))
+    return str(path), table.num_rows
 
-    def compute() -> tuple[pa.Table, Any]:
-        res.ensure_version(iteration - 1)
-        if cfg.run.mode == "defense":
-            prompts = attacker_prompts(res.run, iteration)
-        else:
-            prompts = prompts_for_iteration(
-                res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
-            )
-        seed = derive_seed(cfg.run.seed, "sample", iteration)
-        draw = vllm_draw(res, iteration - 1, seed) if cfg.sampling.backend == "vllm" else None
-        return sample_rollouts(
-            res.policy,
-            res.run.run_id,
-            iteration,
-            prompts,
-            cfg.model.system_prompt,
-            cfg.model.max_prompt_tokens,
-            cfg.sampling.group_size,
-            cfg.sampling.max_new_tokens,
-            cfg.sampling.batch_size,
-            seed,
-            draw,
-        )
 
-    return run_table_stage(res.run, SAMPLE, iteration, compute)
+def sample_stage(run_dir: str, iteration: int) -> str:
+    """Stage 1 in `runtime.shards` shards (`tasks/common.py: run_sharded_stage`), recorded with its statistics."""
+    res = resources_for(run_dir)
+    return run_sharded_stage(
+        res.run, SAMPLE, iteration, res.config.runtime, sample_shard, lambda t: rollouts_stats(t, res.policy)
+    )

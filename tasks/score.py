@@ -19,12 +19,12 @@ from redteam_grpo.core.kl import policy_entropy_reference_logprobs, reference_lo
 from redteam_grpo.core.logprobs import masked_mean, pad_ragged
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.policy import Policy
-from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios, score_stats
+from redteam_grpo.core.rewards import RewardTerms, ScoreStats, composite_reward, repetition_ratios, score_stats
 from redteam_grpo.core.scorers import ModelInfo
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
-from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.common import run_sharded_stage
 from redteam_grpo.tasks.resources import resources_for
 
 
@@ -91,6 +91,7 @@ def scores_table(
     scorer: ModelInfo,
     categories: list[list[str]],
     refusal: list[bool],
+    truncated: list[bool],
     novelty: list[float | None],
     embeddings: list[list[float] | None],
     repetition: list[float],
@@ -109,6 +110,7 @@ def scores_table(
             "scorer_kind": [scorer.kind] * n,
             "categories": categories,
             "refusal": refusal,
+            "scorer_truncated": truncated,
             "novelty": novelty,
             "embedding": embeddings,
             "repetition_ratio": repetition,
@@ -123,55 +125,78 @@ def scores_table(
     )
 
 
-@task(name=SCORE.name, cache_policy=NO_CACHE)
-def score_stage(run_dir: str, iteration: int) -> str:
+def scores_stats(table: pa.Table) -> ScoreStats:
+    """The statistics of a scores table (every part of a sharded stage at once)."""
+    columns = table.select(["toxicity", "repetition_ratio", "novelty", "refusal", "kl", "scorer_truncated"])
+    return score_stats(*columns.to_pydict().values())
+
+
+@task(name="score-shard", task_run_name="score-{iteration}-shard-{shard}", cache_policy=NO_CACHE)
+def score_shard(run_dir: str, iteration: int, shard: int) -> tuple[str, int]:
+    """Score shard `shard`'s part of the rollouts; write its part of the scores table. Novelty compares a completion
+    with the others of its shard and with the memory of earlier iterations."""
     res = resources_for(run_dir)
     cfg = res.config
     r = cfg.reward
+    shards = cfg.runtime.shards
+    rollouts = res.run.read_part(SAMPLE, iteration, shard, shards).to_pydict()
+    prompt_ids, completion_ids = rollouts["prompt_token_ids"], rollouts["completion_token_ids"]
+    texts = rollouts["completion_text"]
+    scoring = res.scoring
+    info = scoring.describe().scorer
+    scored = scoring.score(texts, rollouts["prompt"])
+    if len(scored) != len(texts):
+        raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
+    toxicity = [s.score if s.score is not None and math.isfinite(s.score) else None for s in scored]
+    repetition = repetition_ratios(completion_ids, r.repetition_ngram)
 
-    def compute():
-        rollouts = res.run.read(SAMPLE, iteration).to_pydict()
-        prompt_ids, completion_ids = rollouts["prompt_token_ids"], rollouts["completion_token_ids"]
-        texts = rollouts["completion_text"]
-        scoring = res.scoring
-        info = scoring.describe().scorer
-        scored = scoring.score(texts, rollouts["prompt"])
-        if len(scored) != len(texts):
-            raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
-        toxicity = [s.score if s.score is not None and math.isfinite(s.score) else None for s in scored]
-        repetition = repetition_ratios(completion_ids, r.repetition_ngram)
+    n = len(texts)
+    novelty: list[float | None] = [None] * n
+    embeddings: list[list[float] | None] = [None] * n
+    if r.novelty_weight:
+        embedded = scoring.embed(texts)  # [N, D]
+        memory = novelty_memory(res.run, iteration, r.novelty_memory_iterations, r.novelty_memory_size)
+        novelty = list(novelty_scores(embedded, memory))
+        embeddings = embedded.tolist()
 
-        n = len(texts)
-        novelty: list[float | None] = [None] * n
-        embeddings: list[list[float] | None] = [None] * n
-        if r.novelty_weight:
-            embedded = scoring.embed(texts)  # [N, D]
-            memory = novelty_memory(res.run, iteration, r.novelty_memory_iterations, r.novelty_memory_size)
-            novelty = list(novelty_scores(embedded, memory))
-            embeddings = embedded.tolist()
-
-        res.ensure_version(iteration - 1)  # the weights that sampled this batch
-        # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T). The in-process
-        # sampler's logprobs are the policy's (same weights, same distribution): only the base needs a forward,
-        # unless the reward needs the policy's entropy. Another engine's (vLLM) are not the trainer's: the
-        # policy's forward gives both sides on the trainer's kernels, and the scores keep them beside the sampler's.
-        in_process = cfg.sampling.backend == "hf"
-        sampled = rollouts["sampling_logprobs"] if in_process and not r.entropy_weight else None
-        t = cfg.training
-        terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, sampled, t.micro_batch_tokens)
-        refusal = [bool(s.refusal) for s in scored]
-        weights = r.weights
-        reward = [
-            composite_reward(RewardTerms(t, rep, k, nov, ref, ent), weights)
-            for t, rep, k, nov, ref, ent in zip(
-                toxicity, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True
-            )
-        ]
-        categories = [list(s.categories) for s in scored]
-        table = scores_table(
-            rollouts, toxicity, info, categories, refusal, novelty, embeddings, repetition, terms, reward, "scores"
+    res.ensure_version(iteration - 1)  # the weights that sampled this batch
+    # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T). The in-process
+    # sampler's logprobs are the policy's (same weights, same distribution): only the base needs a forward,
+    # unless the reward needs the policy's entropy. Another engine's (vLLM) are not the trainer's: the
+    # policy's forward gives both sides on the trainer's kernels, and the scores keep them beside the sampler's.
+    in_process = cfg.sampling.backend == "hf"
+    sampled = rollouts["sampling_logprobs"] if in_process and not r.entropy_weight else None
+    t = cfg.training
+    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, sampled, t.micro_batch_tokens)
+    refusal = [bool(s.refusal) for s in scored]
+    weights = r.weights
+    reward = [
+        composite_reward(RewardTerms(t, rep, k, nov, ref, ent), weights)
+        for t, rep, k, nov, ref, ent in zip(
+            toxicity, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True
         )
-        truncated = [bool(s.truncated) for s in scored]
-        return table, score_stats(toxicity, repetition, novelty, refusal, terms.kl, truncated)
+    ]
+    categories = [list(s.categories) for s in scored]
+    truncated = [bool(s.truncated) for s in scored]
+    table = scores_table(
+        rollouts,
+        toxicity,
+        info,
+        categories,
+        refusal,
+        truncated,
+        novelty,
+        embeddings,
+        repetition,
+        terms,
+        reward,
+        "scores",
+    )
+    path = res.run.write(SCORE, iteration, table, res.run.part_path(SCORE, iteration, shard, shards))
+    return str(path), table.num_rows
 
-    return run_table_stage(res.run, SCORE, iteration, compute)
+
+def score_stage(run_dir: str, iteration: int) -> str:
+    """Stage 2 in `runtime.shards` shards, one per part of the rollouts (`tasks/common.py: run_sharded_stage`)."""
+    res = resources_for(run_dir)
+    return run_sharded_stage(res.run, SCORE, iteration, res.config.runtime, score_shard, scores_stats)

@@ -21,7 +21,7 @@ from redteam_grpo.tasks.sample import sample_stage
 from redteam_grpo.tasks.score import score_stage
 from redteam_grpo.tasks.train_step import JoinError, recorded_stats, train_step_stage
 
-pytestmark = pytest.mark.usefixtures("embedded_assets")
+pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
 
 @pytest.fixture
@@ -53,8 +53,8 @@ def test_every_stage_output_is_read_back_by_the_next_stage(run):
     root = str(run.root)
     initialize_stage.fn(root)
     paths = {
-        "sample": sample_stage.fn(root, 0),
-        "score": score_stage.fn(root, 0),
+        "sample": sample_stage(root, 0),
+        "score": score_stage(root, 0),
         "advantage": advantage_stage.fn(root, 0),
         "train_step": train_step_stage.fn(root, 0),
     }
@@ -109,7 +109,7 @@ def test_repetition_is_measured_on_completion_tokens_only(run):
     policy_lp, _, _ = policy_reference_logprobs(res.policy, [prompt_ids] * 3, completions)
     logprobs = [policy_lp[b, : len(c)].tolist() for b, c in enumerate(completions)]
     _write(run, 0, SAMPLE, _rollouts(run, prompt_ids, completions, tok, logprobs))
-    score_stage.fn(str(run.root), 0)
+    score_stage(str(run.root), 0)
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert scores["repetition_ratio"] == [0.0, 0.0, 0.0]
     assert scores["kl"] == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # the initial adapter is the base
@@ -123,7 +123,7 @@ def test_a_completion_longer_than_the_classifier_is_scored_and_counted(run):
     completions = [long, tok("a b c d", add_special_tokens=False)["input_ids"], long[:20]]
     assert len(long) > 128
     _write(run, 0, SAMPLE, _rollouts(run, tok("x", add_special_tokens=False)["input_ids"], completions, tok))
-    score_stage.fn(str(run.root), 0)
+    score_stage(str(run.root), 0)
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert all(t is not None and 0.0 <= t <= 1.0 for t in scores["toxicity"])
     assert recorded_stats(run, SCORE, 0)["n_truncated_texts"] == 1
@@ -132,7 +132,7 @@ def test_a_completion_longer_than_the_classifier_is_scored_and_counted(run):
 def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
     root = str(run.root)
     initialize_stage.fn(root)
-    sample_stage.fn(root, 0)
+    sample_stage(root, 0)
     res = resources.resources_for(run.root)
     real = res.scoring.score
 
@@ -143,7 +143,7 @@ def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
         return scores
 
     monkeypatch.setattr(res.scoring, "score", one_missing)
-    score_stage.fn(root, 0)
+    score_stage(root, 0)
     advantage_stage.fn(root, 0)
     adv = schemas.read_table(run.path(ADVANTAGE, 0), schemas.ADVANTAGES).to_pydict()
     assert adv["reward"][1] is None and adv["reward"][4] is None
@@ -157,8 +157,8 @@ def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
 def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
     root = str(run.root)
     initialize_stage.fn(root)
-    sample_stage.fn(root, 0)
-    score_stage.fn(root, 0)
+    sample_stage(root, 0)
+    score_stage(root, 0)
     advantage_stage.fn(root, 0)
     table = pq.read_table(run.path(ADVANTAGE, 0))
     _write(run, 0, ADVANTAGE, table.slice(0, table.num_rows - 1))  # one advantage lost
@@ -170,21 +170,21 @@ def test_a_renamed_column_between_stages_is_an_error_not_zeros(run):
     # Bug class renamed-column-reads-as-zeros (docs/bug-classes.md): old logprobs read under another name.
     root = str(run.root)
     initialize_stage.fn(root)
-    sample_stage.fn(root, 0)
+    sample_stage(root, 0)
     table = pq.read_table(run.path(SAMPLE, 0))
     renamed = ["old_log_probs" if n == "sampling_logprobs" else n for n in table.column_names]
     _write(run, 0, SAMPLE, table.rename_columns(renamed))
     with pytest.raises(
         schemas.SchemaError, match=r"missing column 'sampling_logprobs'.*unexpected column 'old_log_probs'"
     ):
-        score_stage.fn(root, 0)
+        score_stage(root, 0)
 
 
 def test_a_group_with_a_missing_sample_is_refused(run):
     root = str(run.root)
     initialize_stage.fn(root)
-    sample_stage.fn(root, 0)
-    score_stage.fn(root, 0)
+    sample_stage(root, 0)
+    score_stage(root, 0)
     table = pq.read_table(run.path(SCORE, 0))
     _write(run, 0, SCORE, table.slice(1))
     with pytest.raises(ValueError, match=r"expected 0\.\.2"):
@@ -197,7 +197,9 @@ def test_weights_whose_checkpoint_is_damaged_are_refused_when_loaded(run):
 
     root = str(run.root)
     initialize_stage.fn(root)
-    for stage in (sample_stage, score_stage, advantage_stage, train_step_stage, checkpoint_stage):
+    sample_stage(root, 0)
+    score_stage(root, 0)
+    for stage in (advantage_stage, train_step_stage, checkpoint_stage):
         stage.fn(root, 0)
     adapter = run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE
     flipped = bytearray(adapter.read_bytes())
