@@ -261,10 +261,12 @@ class RewardConfig(_Section):
     model can take (`tokenizer.model_max_length` / `config.max_position_embeddings`; a judge also keeps
     `judge_max_new_tokens` positions for its verdict). A longer text is scored on its beginning (a judge
     shortens the prompt and response before rendering them) and counted in the `n_truncated_texts` metric."""
-    url: str | None = None
+    url: str | list[str] | None = None
     """Score through the HTTP reward server at this URL (e.g. `http://127.0.0.1:50050`, started with
-    `redteam-grpo serve-reward`) instead of in-process. The server must serve the scorer named above. A bearer
-    token, if the server needs one, comes from the environment (REDTEAM_GRPO_REWARD_TOKEN)."""
+    `redteam-grpo serve-reward`) instead of in-process; a list of URLs: replicas of one server, over which each
+    batch is spread; a replica unreachable after its retries is left out (for a minute) and its texts go to the
+    others (lower reward.retries so that happens sooner). Every server must serve the scorer named above. A bearer
+    token, if the servers need one, comes from the environment (REDTEAM_GRPO_REWARD_TOKEN)."""
     timeout_s: float = Field(120.0, gt=0.0)
     """Seconds to wait for one reward-server request."""
     retries: int = Field(4, ge=0)
@@ -286,10 +288,18 @@ class RewardConfig(_Section):
             refusal=self.refusal_weight,
         )
 
+    @property
+    def urls(self) -> list[str]:
+        """The reward servers' URLs: none (score in-process), one, or replicas."""
+        return [] if self.url is None else [self.url] if isinstance(self.url, str) else list(self.url)
+
     @model_validator(mode="after")
     def _url_is_http(self) -> RewardConfig:
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"reward.url must start with http:// or https://, got {self.url!r}")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"reward.url must start with http:// or https://, got {url!r}")
+        if isinstance(self.url, list) and (not self.url or len(set(self.url)) != len(self.url)):
+            raise ValueError(f"reward.url lists no URL, or one twice: {self.url!r}")
         return self
 
 
@@ -430,8 +440,7 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     """Logging and progress."""
     runtime: RuntimeConfig = RuntimeConfig()
-    """Where the stages run: Ray for the sample and score shards, torchrun for the train step (training.launcher),
-    a GPU slot."""
+    """Where the stages run: Ray for the sample and score shards, a GPU slot (torchrun: training.launcher)."""
     run: RunConfig = RunConfig()
     """Run directory, length, seed, early stopping."""
 

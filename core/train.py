@@ -28,6 +28,7 @@ import torch
 
 from redteam_grpo.core.batching import checkpointed_layers, micro_batches
 from redteam_grpo.core.config import TrainingConfig
+from redteam_grpo.core.distributed import DataParallel
 from redteam_grpo.core.logprobs import entropy, pad_ragged, token_logprobs
 from redteam_grpo.core.loss import (
     LossStats,
@@ -134,10 +135,31 @@ def loss_function(cfg: TrainingConfig) -> LossFunction:
     return losses[cfg.loss]
 
 
+def _all_reduced(stats: LossStats, dp: DataParallel) -> LossStats:
+    n_tokens, dev, dev_sq, abs_dev, k3, n_clipped = dp.sum(
+        [
+            stats.n_tokens,
+            stats.ratio_dev_sum,
+            stats.ratio_dev_sq_sum,
+            stats.ratio_abs_dev_sum,
+            stats.k3_sum,
+            stats.n_clipped,
+        ]
+    )
+    (ratio_max,) = dp.max([stats.ratio_max])
+    return LossStats(int(n_tokens), dev, dev_sq, abs_dev, ratio_max, k3, int(n_clipped))
+
+
 def policy_gradient_step(
-    policy: Policy, optimizer: torch.optim.Optimizer, batch: TrainBatch, cfg: TrainingConfig
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    cfg: TrainingConfig,
+    data_parallel: DataParallel | None = None,
 ) -> UpdateStats:
-    """`cfg.updates_per_batch` optimizer steps on the batch; returns the diagnostics of the first and last."""
+    """`cfg.updates_per_batch` optimizer steps on the batch; returns the diagnostics of the first and last.
+    `data_parallel`: this process computes its share of the micro-batches and the gradients and statistics are
+    summed over the process group before each step (`core/distributed.py`); every process returns the same."""
     if cfg.loss_normalization == "constant" and batch.max_new_tokens is None:
         raise ValueError(
             "training.loss_normalization=constant divides by sequences x max_new_tokens: build the TrainBatch "
@@ -161,6 +183,8 @@ def policy_gradient_step(
     compute_loss = loss_function(cfg)
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
     batches = micro_batches(rows, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)
+    if data_parallel is not None:
+        batches = data_parallel.share(batches)
     trainer_old: list[torch.Tensor] = []  # truncated IS: the first update's logprobs, one tensor per micro-batch
     params = policy.trainable_parameters()
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
@@ -208,6 +232,15 @@ def policy_gradient_step(
                     mismatch_over += int((mismatch_B_C > cfg.logprob_mismatch_threshold).sum())
                     entropy_B_C = entropy(logprobs_B_C_V.detach())
                     entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
+            if data_parallel is not None:  # one step of the whole batch, in every process
+                data_parallel.sum_gradients(params)
+                loss_total, entropy_sum, mismatch_sum, mismatch_over = data_parallel.sum(
+                    [loss_total, entropy_sum, mismatch_sum, mismatch_over]
+                )
+                (mismatch_max,) = data_parallel.max([mismatch_max])
+                stats = _all_reduced(stats, data_parallel)
+                if update == 0:
+                    sampler_stats = _all_reduced(sampler_stats, data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if update == 0:
                 deviation = sampler_stats.ratio_abs_dev
@@ -234,6 +267,8 @@ def policy_gradient_step(
             if not math.isfinite(grad_norm):
                 raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")
             optimizer.step()
+    if data_parallel is not None:
+        data_parallel.check_same_weights(params)
     return UpdateStats(
         **first,
         n_tokens=float(n_tokens),

@@ -45,6 +45,10 @@ class RewardServiceError(RuntimeError):
     """The reward server cannot be used: unreachable after retries, refusing requests, or serving another model."""
 
 
+class RewardServiceUnavailable(RewardServiceError):
+    """The reward server did not answer (or kept answering 502/503/504, or kept loading) through every retry."""
+
+
 def _model_info(d: dict[str, Any] | None) -> ModelInfo | None:
     return None if d is None else ModelInfo(d["name"], d["revision"], d["kind"], d.get("details") or {})
 
@@ -68,9 +72,8 @@ class RewardClient:
         self._ready: dict[str, Any] | None = None
 
     @classmethod
-    def from_config(cls, cfg: RewardConfig, token: str | None, get_logger=None) -> RewardClient:
-        assert cfg.url is not None
-        return cls(cfg.url, token, cfg.timeout_s, cfg.retries, cfg.backoff_s, get_logger)
+    def from_config(cls, cfg: RewardConfig, url: str, token: str | None, get_logger=None) -> RewardClient:
+        return cls(url, token, cfg.timeout_s, cfg.retries, cfg.backoff_s, get_logger)
 
     def close(self) -> None:
         self.http.close()
@@ -116,7 +119,7 @@ class RewardClient:
                     f"{self._detail(response)}"
                 )
             return response.json()
-        raise RewardServiceError(
+        raise RewardServiceUnavailable(
             f"reward server {self.url}{path} failed {self.retries + 1} times; last: {last}. Start it "
             "(`redteam-grpo serve-reward`) or unset reward.url to score in-process, then resume the run "
             "(`redteam-grpo run --resume RUN_DIR`): the score stage is re-run, nothing before it."
@@ -142,7 +145,7 @@ class RewardClient:
                 self._ready = body
                 return body
             if time.monotonic() > deadline:
-                raise RewardServiceError(
+                raise RewardServiceUnavailable(
                     f"reward server {self.url} is still loading its models after {self.timeout_s:.0f} s "
                     "(reward.timeout_s); wait for GET /ready and resume the run"
                 )
@@ -223,3 +226,121 @@ class RewardClient:
             self._check_same_model(body["embedder"], expected, "embedder")
             rows.extend(body["embeddings"])
         return torch.tensor(rows, dtype=torch.float32)
+
+
+class ReplicatedRewardClient:
+    """Replicas of one reward server (reward.url as a list), with the protocol of one: each batch is split into one
+    contiguous piece per live replica, sent at once, and put back together in order. A replica that is unavailable
+    after its own retries (`RewardServiceUnavailable`) is left out for `rest_s` and its piece goes to the others;
+    any other error (a refused request, a scorer failing on the texts, another model) fails the call as with one
+    server. Every replica must serve the same scorer and embedder (name and revision)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[RewardClient],
+        get_logger: Callable[[], logging.Logger | logging.LoggerAdapter] | None = None,
+        rest_s: float = 60.0,
+    ) -> None:
+        self.replicas = list(replicas)
+        self.get_logger = get_logger or (lambda: log)
+        self.rest_s = rest_s
+        self._down_until: dict[str, float] = {}
+        self._info: ServiceInfo | None = None
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
+    def _live(self) -> list[RewardClient]:
+        now = time.monotonic()
+        live = [r for r in self.replicas if self._down_until.get(r.url, 0.0) <= now]
+        if not live:
+            raise RewardServiceUnavailable(
+                f"none of the {len(self.replicas)} reward servers ({', '.join(r.url for r in self.replicas)}) "
+                "answers. Start them, then resume the run (`redteam-grpo run --resume RUN_DIR`)"
+            )
+        return live
+
+    def _mark_down(self, replica: RewardClient, exc: BaseException) -> None:
+        self._down_until[replica.url] = time.monotonic() + self.rest_s
+        self.get_logger().warning(
+            "reward server %s left out for %.0f s (%s); its texts go to the other replicas",
+            replica.url,
+            self.rest_s,
+            exc,
+        )
+
+    def describe(self) -> ServiceInfo:
+        """What every live replica serves (checked to be one scorer and embedder, by name and revision)."""
+        if self._info is None:
+            infos = {}
+            for replica in self._live():
+                try:
+                    infos[replica.url] = replica.describe()
+                except RewardServiceUnavailable as exc:
+                    self._mark_down(replica, exc)
+            if not infos:
+                self._live()  # raises: every replica is down
+            served = {
+                url: (i.scorer.name, i.scorer.revision, i.embedder and (i.embedder.name, i.embedder.revision))
+                for url, i in infos.items()
+            }
+            if len(set(served.values())) > 1:
+                raise RewardServiceError(
+                    f"the reward servers serve different models: {served}. Start every replica with the run's "
+                    "reward settings (`redteam-grpo serve-reward --config RUN_CONFIG`)"
+                )
+            self._info = next(iter(infos.values()))
+        return self._info
+
+    def verify(self, cfg: RewardConfig) -> None:
+        self.describe()
+        for replica in self._live():
+            replica.verify(cfg)
+
+    def _spread(self, n: int, call: Callable[[RewardClient, int, int], list]) -> list:
+        """`call(replica, start, end)` over contiguous pieces of `n` items, one per live replica, in parallel; a
+        piece whose replica is unavailable is sent again to the live ones. The results in item order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.describe()
+        results: dict[tuple[int, int], list] = {}
+        pending = _pieces(n, len(self._live()))
+        while pending:
+            live = self._live()
+            with ThreadPoolExecutor(max_workers=len(pending)) as pool:
+                sent = [
+                    (piece, live[k % len(live)], pool.submit(call, live[k % len(live)], *piece))
+                    for k, piece in enumerate(pending)
+                ]
+            pending = []
+            for piece, replica, future in sent:
+                try:
+                    results[piece] = future.result()
+                except RewardServiceUnavailable as exc:
+                    self._mark_down(replica, exc)
+                    pending.append(piece)
+        return [item for piece in sorted(results) for item in results[piece]]
+
+    def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
+        return self._spread(len(completions), lambda r, a, b: r.score(completions[a:b], prompts[a:b]))
+
+    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        rows = self._spread(len(texts), lambda r, a, b: r.embed(texts[a:b]).tolist())
+        return torch.tensor(rows, dtype=torch.float32)
+
+
+def _pieces(n: int, parts: int) -> list[tuple[int, int]]:
+    """`n` items as at most `parts` contiguous (start, end) pieces of sizes within one.
+
+    >>> _pieces(5, 2), _pieces(1, 3), _pieces(0, 2)
+    ([(0, 3), (3, 5)], [(0, 1)], [])
+    """
+    parts = max(1, min(parts, n))
+    size, longer = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts if n else 0):
+        end = start + size + (k < longer)
+        bounds.append((start, end))
+        start = end
+    return bounds

@@ -5,19 +5,20 @@ statistics each earlier stage recorded with its file (core/metrics.py)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.diagnostics import health_warnings
 from redteam_grpo.core.metrics import iteration_metrics
-from redteam_grpo.core.train import TrainBatch, policy_gradient_step
+from redteam_grpo.core.train import TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK_TRAIN_STEP, ATTACKER_LEARNER, POLICY, TRAIN_STEP, Learner, Stage
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.logs import stage_logger
-from redteam_grpo.tasks.resources import resources_for
+from redteam_grpo.tasks.resources import RunResources, resources_for
 
 
 class JoinError(ValueError):
@@ -49,42 +50,67 @@ def attack_train_step_stage(run_dir: str, iteration: int) -> str:
     return update_stage(run_dir, iteration, ATTACKER_LEARNER)
 
 
+def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: int) -> TrainBatch:
+    """The learner's rollouts of `iteration` joined with their advantages."""
+    rollouts = run.read(learner.rollouts, iteration).to_pydict()
+    advantages = run.read(learner.advantages, iteration).to_pydict()
+    rows = join_on_keys(rollouts, advantages, "rollouts x advantages")
+    return TrainBatch(
+        prompt_ids=rollouts["prompt_token_ids"],
+        completion_ids=rollouts["completion_token_ids"],
+        sample_logprobs=rollouts["sampling_logprobs"],
+        advantages=[advantages["advantage"][i] for i in rows],
+        group_ids=rollouts["prompt_id"],
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_parallel=None) -> UpdateStats:
+    """One update of the learner's adapter (and optimizer) in memory, from the weights after iteration - 1."""
+    cfg = res.config
+    attacker = learner is ATTACKER_LEARNER
+    max_new_tokens = cfg.defense.attacker_max_new_tokens if attacker else cfg.sampling.max_new_tokens
+    batch = train_batch(res.run, learner, iteration, max_new_tokens)
+    if attacker:
+        res.ensure_attacker(iteration - 1)  # the defender may already hold this iteration's update
+    else:
+        res.ensure_version(iteration - 1)
+    with res.policy.role(learner.role):
+        return policy_gradient_step(res.policy, res.optimizer_for(learner.role), batch, cfg.training, data_parallel)
+
+
+def save_update(res: RunResources, learner: Learner, weights: list[Path]) -> None:
+    checkpoints.save_adapter(weights[0], res.policy.adapter_state(learner.role))
+    checkpoints.save_optimizer(weights[1], res.optimizer_for(learner.role))
+
+
 def update_stage(run_dir: str, iteration: int, learner: Learner) -> str:
     """One GRPO update of `learner`'s adapter from the weights of iteration - 1. The role's adapter is the only one
     active (and trainable) in every forward; its ratio is checked against the logprobs recorded when its own rollouts
-    were sampled, so an update that saw another role's or another version's weights is refused."""
+    were sampled, so an update that saw another role's or another version's weights is refused.
+    training.launcher=torchrun: the update runs data-parallel in `nproc` processes (`tasks/distributed_update.py`),
+    which write the weights; the ones in this process's memory are then stale and reloaded when next needed."""
     res = resources_for(run_dir)
     run, cfg = res.run, res.config
     folder = run.checkpoint_dir(iteration)
     weights = [folder / learner.adapter_file, folder / learner.optimizer_file]
     attacker = learner is ATTACKER_LEARNER
-    max_new_tokens = cfg.defense.attacker_max_new_tokens if attacker else cfg.sampling.max_new_tokens
 
     def compute():
         started = time.perf_counter()
-        rollouts = run.read(learner.rollouts, iteration).to_pydict()
-        advantages = run.read(learner.advantages, iteration).to_pydict()
-        rows = join_on_keys(rollouts, advantages, "rollouts x advantages")
-        batch = TrainBatch(
-            prompt_ids=rollouts["prompt_token_ids"],
-            completion_ids=rollouts["completion_token_ids"],
-            sample_logprobs=rollouts["sampling_logprobs"],
-            advantages=[advantages["advantage"][i] for i in rows],
-            group_ids=rollouts["prompt_id"],
-            max_new_tokens=max_new_tokens,
-        )
-        if attacker:
-            res.ensure_attacker(iteration - 1)  # the defender may already hold this iteration's update
+        if cfg.training.launcher == "torchrun":
+            from redteam_grpo.tasks.distributed_update import launch
+
+            update = launch(run, iteration, learner, cfg.training.nproc)
+            version = None  # what this process holds is not the new weights
         else:
-            res.ensure_version(iteration - 1)
-        with res.policy.role(learner.role):
-            update = policy_gradient_step(res.policy, res.optimizer_for(learner.role), batch, cfg.training)
-        checkpoints.save_adapter(weights[0], res.policy.adapter_state(learner.role))
-        checkpoints.save_optimizer(weights[1], res.optimizer_for(learner.role))
+            update = update_in_memory(res, iteration, learner)
+            save_update(res, learner, weights)
+            version = iteration
         if attacker:
-            res.attacker_version = iteration
+            res.attacker_version = version
         else:
-            res.version = iteration
+            res.version = version
 
         # Each earlier stage recorded the statistics it computed; none is recomputed here.
         metrics = iteration_metrics(

@@ -310,6 +310,27 @@ BUG_CLASSES = [
         "        pass  # no lock: every process that runs stages owns the run\n",
         "tests/storage/test_ownership.py::test_a_second_owner_is_refused_at_once_naming_the_first_and_the_way_out tests/storage/test_ownership.py::test_a_lock_dies_with_its_process_and_the_next_owner_says_it_took_over",
     ),
+    (
+        "sharded-stage-reads-one-part",
+        "storage/rundir.py",
+        "return [self.root / rel for rel in parts] if parts else [self.path(stage, iteration)]",
+        "return [self.root / parts[0]] if parts else [self.path(stage, iteration)]",
+        "tests/storage/test_rundir.py::test_a_sharded_stage_is_read_as_one_table_of_its_parts_in_shard_order tests/flows/test_scale_out.py::test_shards_have_their_own_seeds_and_whole_groups",
+    ),
+    (
+        "completed-shards-recomputed",
+        "tasks/common.py",
+        "missing = [k for k in range(runtime.shards) if run.completed_part(stage, iteration, k) is None]",
+        "missing = list(range(runtime.shards))",
+        "tests/flows/test_scale_out.py::test_a_failed_shard_is_retried_alone_and_a_resume_computes_only_missing_parts",
+    ),
+    (
+        "data-parallel-gradients-not-summed",
+        "core/train.py",
+        "                data_parallel.sum_gradients(params)\n",
+        "                pass\n",
+        "tests/tasks/test_distributed_update.py::test_torchrun_update_equals_the_single_process_update",
+    ),
 ]
 
 

@@ -154,3 +154,32 @@ def test_serve_reward_refuses_to_bind_beyond_loopback_without_a_token():
         env=env,
     )
     assert out.returncode == 2 and "REDTEAM_GRPO_REWARD_TOKEN" in out.stderr
+
+
+def test_a_run_spreads_scoring_over_replicas_and_survives_one_going_down(tmp_path):
+    first, second = ServerProcess(tmp_path / "a.log"), ServerProcess(tmp_path / "b.log")
+    urls = f"reward.url=[{first.url}, {second.url}]"
+    try:
+        overrides = [
+            "run.iterations=1",
+            *SMALL_RUN,
+            f"run.runs_dir={tmp_path}",
+            "run.run_id=replicas",
+            urls,
+            "reward.retries=1",
+            "reward.backoff_s=0.05",
+        ]
+        attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
+        served = [httpx.get(s.url + "/ready").json()["batching"]["requests_served"] for s in (first, second)]
+        assert all(n >= 1 for n in served), served  # both replicas scored part of the iteration
+        second.stop()  # a replica goes down between iterations
+        more = [o.replace("run.iterations=1", "run.iterations=2") for o in overrides]
+        run = RunDir.open(tmp_path / "replicas")
+        attack.attack_run(config=load_config(None, more).model_dump(mode="json"), resume=str(run.root))
+        assert run.manifest()["status"] == "completed"
+        assert len(run.read(SCORE, 1)) == 12  # every text of iteration 1 scored, by the replica left
+        assert httpx.get(first.url + "/ready").json()["batching"]["requests_served"] > served[0]
+    finally:
+        first.stop()
+        if second.proc.poll() is None:
+            second.stop()

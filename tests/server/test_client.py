@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from redteam_grpo.core.config import RewardConfig
-from redteam_grpo.server.client import RewardClient, RewardServiceError
+from redteam_grpo.server.client import ReplicatedRewardClient, RewardClient, RewardServiceError
 
 SCORER = {"name": "embedded:tiny-toxicity", "revision": "r1", "kind": "classifier", "details": {"label": "toxic"}}
 READY = {
@@ -144,3 +144,82 @@ def test_a_server_restarted_with_another_model_is_detected():
     other = {**SCORER, "revision": "r2"}
     with pytest.raises(RewardServiceError, match="restarted with another model"):
         _client(FakeServer(scorer=other)).score(["a"], ["p"])
+
+
+# -- replicas (reward.url as a list) -----------------------------------------------------------------------------
+
+
+class DeadServer:
+    """A replica that went down: every request is refused at the connection."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        raise httpx.ConnectError("connection refused", request=request)
+
+
+def _replica(server, url: str, retries=1) -> RewardClient:
+    return RewardClient(url, retries=retries, backoff_s=0.001, transport=httpx.MockTransport(server))
+
+
+def test_replicas_share_a_batch_and_answer_in_order():
+    servers = [FakeServer(), FakeServer()]
+    client = ReplicatedRewardClient([_replica(s, f"http://r{k}.test") for k, s in enumerate(servers)])
+    texts = [f"text {'x' * k}" for k in range(6)]
+    scores = client.score(texts, ["p"] * 6)
+    assert [s.score for s in scores] == [len(t) / 100 for t in texts]
+    assert [sum(map(len, s.score_calls)) for s in servers] == [3, 3]  # each replica scored half
+
+
+def test_a_replica_that_goes_down_is_left_out_and_its_texts_go_to_the_others():
+    alive = FakeServer()
+    failing = FakeServer(failures=["drop"] * 100)  # answered /ready, then went down before scoring
+    client = ReplicatedRewardClient([_replica(alive, "http://a.test"), _replica(failing, "http://b.test")])
+    texts = [f"t{k}" for k in range(5)]
+    scores = client.score(texts, ["p"] * 5)
+    assert [s.score for s in scores] == [len(t) / 100 for t in texts]
+    assert sum(map(len, alive.score_calls)) == 5 and len(failing.request_ids) == 2  # its retries, then left out
+    client.score(["again"], ["p"])  # left out for a while: not asked again
+    assert len(failing.request_ids) == 2
+
+
+def test_a_replica_down_from_the_start_is_left_out():
+    alive, dead = FakeServer(), DeadServer()
+    client = ReplicatedRewardClient([_replica(dead, "http://a.test"), _replica(alive, "http://b.test")])
+    assert [s.score for s in client.score(["ab"], ["p"])] == [0.02]
+
+
+def test_every_replica_down_is_an_error_that_says_how_to_continue():
+    client = ReplicatedRewardClient([_replica(DeadServer(), "http://a.test"), _replica(DeadServer(), "http://b.test")])
+    with pytest.raises(RewardServiceError, match=r"none of the 2 reward servers .* resume the run"):
+        client.score(["a"], ["p"])
+
+
+def test_replicas_that_serve_different_models_are_refused():
+    other = {**SCORER, "revision": "r2"}
+    ready = {**READY, "service": {**READY["service"], "scorer": other}}
+    client = ReplicatedRewardClient(
+        [_replica(FakeServer(), "http://a.test"), _replica(FakeServer(ready=ready, scorer=other), "http://b.test")]
+    )
+    with pytest.raises(RewardServiceError, match="serve different models"):
+        client.score(["a"], ["p"])
+
+
+def test_a_replica_refusing_the_texts_fails_the_call_instead_of_moving_them():
+    client = ReplicatedRewardClient(
+        [_replica(FakeServer(failures=[422]), "http://a.test"), _replica(FakeServer(), "http://b.test")]
+    )
+    with pytest.raises(RewardServiceError, match="HTTP 422"):
+        client.score(["a", "b"], ["p", "q"])
+
+
+def test_reward_url_takes_a_list_of_replicas():
+    cfg = RewardConfig(url=["http://a:1", "http://b:2"])
+    assert cfg.urls == ["http://a:1", "http://b:2"]
+    assert RewardConfig(url="http://a:1").urls == ["http://a:1"] and RewardConfig().urls == []
+    with pytest.raises(ValueError, match="one twice"):
+        RewardConfig(url=["http://a:1", "http://a:1"])
+    with pytest.raises(ValueError, match="http://"):
+        RewardConfig(url=["http://a:1", "a:2"])

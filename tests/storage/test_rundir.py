@@ -147,3 +147,48 @@ def test_a_redo_whose_starting_weights_were_pruned_is_refused_before_anything_is
         run.check_redo(*parse_redo("2/score"))
     assert run.manifest() == before
     run.check_redo(*parse_redo("2/checkpoint"))  # its own weights are intact: resealing is possible
+
+
+def _parts(run, iteration: int, shards: int) -> list:
+    """Write and record `shards` parts of ADVANTAGE (one row each), then the stage."""
+    paths = []
+    for k in range(shards):
+        table = _advantages(iteration).set_column(2, "prompt_id", pa.array([f"p{k}"]))
+        path = run.write(ADVANTAGE, iteration, table, run.part_path(ADVANTAGE, iteration, k, shards))
+        run.record_part(ADVANTAGE, iteration, k, path, 1)
+        paths.append(path)
+    return paths
+
+
+def test_a_sharded_stage_is_read_as_one_table_of_its_parts_in_shard_order(run):
+    assert run.part_path(ADVANTAGE, 0, 0, 1) == run.path(ADVANTAGE, 0)  # one shard: the stage's own file
+    paths = _parts(run, 0, 3)
+    assert [p.name for p in paths] == [f"advantages-0000{k}-of-00003.parquet" for k in range(3)]
+    assert all(run.completed_part(ADVANTAGE, 0, k) for k in range(3))
+    assert run.completed(ADVANTAGE, 0) is None  # not before every part is in and the stage recorded
+    run.record_done(ADVANTAGE, 0, paths, parts=paths, rows=3, stats={})
+    assert run.read(ADVANTAGE, 0).column("prompt_id").to_pylist() == ["p0", "p1", "p2"]
+    assert run.read_part(ADVANTAGE, 0, 1, 3).column("prompt_id").to_pylist() == ["p1"]
+    assert "0/advantage" not in run.manifest().get("shards", {})  # folded into the stage's record
+    from redteam_grpo.storage import query
+
+    assert query.query(run, "select count(*) as n from advantages").n[0] == 3
+
+
+def test_a_damaged_part_is_named_by_every_reader_and_a_changed_one_is_computed_again(run):
+    paths = _parts(run, 0, 2)
+    paths[1].write_bytes(paths[1].read_bytes()[:-8] + b"damaged!")
+    assert run.completed_part(ADVANTAGE, 0, 1) is None and run.completed_part(ADVANTAGE, 0, 0)
+    with pytest.raises(RunDirError, match=r"advantages-00001-of-00002\.parquet is not a recorded, intact part"):
+        run.read_parts(ADVANTAGE, 0, paths)
+    paths = _parts(run, 1, 2)
+    run.record_done(ADVANTAGE, 1, paths, parts=paths, rows=2, stats={})
+    paths[1].unlink()
+    with pytest.raises(RunDirError, match=r"advantages-00001-of-00002.parquet is missing.*--redo 1/advantage"):
+        run.read(ADVANTAGE, 1)
+
+
+def test_redo_drops_the_recorded_parts_of_a_stage_not_yet_complete(run):
+    _parts(run, 2, 2)
+    run.forget_from(ADVANTAGE, 2)
+    assert not run.manifest()["shards"] and run.completed_part(ADVANTAGE, 2, 0) is None
