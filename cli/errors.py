@@ -44,6 +44,7 @@ _SERVICE_ERRORS = (
     ("redteam_grpo.server.client", "RewardServiceError"),
     ("redteam_grpo.server.vllm_client", "SamplerError"),
     ("redteam_grpo.tasks.common", "ShardError"),
+    ("redteam_grpo.tasks.distributed_update", "DistributedUpdateError"),
 )
 
 

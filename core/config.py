@@ -383,9 +383,9 @@ class RuntimeConfig(_Section):
     shard_gpus: float = Field(0.0, ge=0.0)
     """GPUs Ray reserves for one shard task (e.g. 1, or 0.5 to put two shards on one GPU)."""
     gpu_slot: str | None = None
-    """The name of a Prefect global concurrency limit (`redteam-grpo gpu-slots create NAME`): the run holds one of
-    its slots from its first to its last stage, so scheduled runs do not share a GPU; a run waits for a free slot.
-    None: no slot is taken."""
+    """The name of a Prefect global concurrency limit with one slot per GPU (`prefect gcl create NAME --limit
+    GPUS`): the run holds a slot (training.nproc with torchrun) from its first stage to its last, so scheduled runs
+    do not share a GPU; a run waits for free slots. None: no slot is taken."""
 
 
 class RunConfig(_Section):

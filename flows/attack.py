@@ -43,7 +43,7 @@ from redteam_grpo.core.data import Prompt, check_prompt_lengths, load_prompts
 from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
-from redteam_grpo.flows.runtime import gpu_slot, iteration_flow_for, ray_session
+from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_flow_for, ray_session
 from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.rundir import MODE_COMMANDS, RunDir, RunDirError, new_run_id, parse_redo
@@ -241,9 +241,11 @@ def run_iterations(run: RunDir, iteration_flow: Any, on_iteration: Any) -> str:
     start = done[-1] + 1 if done else 0
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     run.set_status("running")
+    check_runtime(cfg)
     iteration_flow = iteration_flow_for(iteration_flow, cfg.runtime)
+    gpus = cfg.training.nproc if cfg.training.launcher == "torchrun" else 1  # the train step's GPUs, on this machine
     try:
-        with gpu_slot(cfg.runtime), ray_session(cfg.runtime):
+        with gpu_slot(cfg.runtime, gpus), ray_session(cfg.runtime):
             initialize_stage(str(run.root))
             if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
                 return str(run.root)

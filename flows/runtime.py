@@ -15,7 +15,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from redteam_grpo.core.config import RuntimeConfig
+from redteam_grpo.core.config import Config, RuntimeConfig
+from redteam_grpo.core.policy import resolve_device
 from redteam_grpo.tasks.logs import stage_logger
 
 
@@ -23,13 +24,24 @@ class RuntimeSetupError(RuntimeError):
     """The engine the runtime section names cannot be used; the message says how to fix it."""
 
 
+def _require_ray() -> Any:
+    try:
+        import prefect_ray
+        import ray
+    except ImportError:
+        raise RuntimeSetupError(
+            "runtime.task_runner=ray needs Ray and prefect-ray: pip install 'redteam-grpo[ray]' (or set "
+            "runtime.task_runner=local)"
+        ) from None
+    return ray, prefect_ray
+
+
 def iteration_flow_for(iteration_flow: Any, runtime: RuntimeConfig) -> Any:
     """The iteration subflow with the task runner its shards run on."""
     if runtime.task_runner != "ray":
         return iteration_flow
-    from prefect_ray import RayTaskRunner
-
-    return iteration_flow.with_options(task_runner=RayTaskRunner(address=runtime.ray_address))
+    _, prefect_ray = _require_ray()
+    return iteration_flow.with_options(task_runner=prefect_ray.RayTaskRunner(address=runtime.ray_address))
 
 
 @contextlib.contextmanager
@@ -39,19 +51,14 @@ def ray_session(runtime: RuntimeConfig) -> Iterator[None]:
     if runtime.task_runner != "ray":
         yield
         return
-    try:
-        import ray
-    except ImportError:
-        raise RuntimeSetupError(
-            "runtime.task_runner=ray needs Ray and prefect-ray: pip install 'redteam-grpo[ray]'"
-        ) from None
+    ray, _ = _require_ray()
     if ray.is_initialized():  # a caller (a test, a notebook) started it: theirs to stop
         yield
         return
     options: dict[str, Any] = {
         "include_dashboard": False,
         "log_to_driver": False,  # workers' output stays in Ray's logs; task logs go to the Prefect API
-        "logging_level": logging.WARNING,
+        "logging_level": logging.ERROR,  # Ray's start-up notices are not the run's news
         "namespace": "prefect",
     }
     if runtime.ray_address is None:
@@ -59,9 +66,14 @@ def ray_session(runtime: RuntimeConfig) -> Iterator[None]:
     try:
         ray.init(runtime.ray_address, **options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = (
+            f"join the Ray cluster at runtime.ray_address={runtime.ray_address!r}"
+            if runtime.ray_address
+            else "start a local Ray instance"
+        )
         raise RuntimeSetupError(
-            f"cannot join the Ray cluster at runtime.ray_address={runtime.ray_address!r} ({exc}); start it "
-            "(`ray start --head`) or unset runtime.ray_address to start a local instance"
+            f"cannot {where} ({exc}): start the cluster (`ray start --head`), fix runtime.ray_address, or set "
+            "runtime.task_runner=local"
         ) from None
     resources = ray.cluster_resources()
     stage_logger().info(
@@ -76,26 +88,37 @@ def ray_session(runtime: RuntimeConfig) -> Iterator[None]:
         ray.shutdown()
 
 
+def check_runtime(cfg: Config) -> None:
+    """Refuse a runtime that would run the stages other than asked, before anything runs."""
+    runtime = cfg.runtime
+    if runtime.task_runner == "ray" and runtime.shard_gpus == 0 and resolve_device(cfg.run.device).type == "cuda":
+        raise RuntimeSetupError(
+            "the run uses a GPU but runtime.shard_gpus is 0: Ray would start the shards without a GPU of their own "
+            "(on the CPU, or all on the first GPU). Set runtime.shard_gpus=1 (0.5: two shards per GPU), or "
+            "run.device=cpu"
+        )
+
+
 @contextlib.contextmanager
-def gpu_slot(runtime: RuntimeConfig) -> Iterator[None]:
-    """Hold one slot of the global concurrency limit `runtime.gpu_slot` (waiting for one) while the block runs."""
+def gpu_slot(runtime: RuntimeConfig, gpus: int = 1) -> Iterator[None]:
+    """Hold `gpus` slots of the global concurrency limit `runtime.gpu_slot` (waiting for them) while the block runs."""
     if runtime.gpu_slot is None:
         yield
         return
     from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
     from prefect.concurrency.sync import concurrency
 
-    stage_logger().info("waiting for a slot of the concurrency limit %r", runtime.gpu_slot)
+    stage_logger().info("waiting for %d slot(s) of the concurrency limit %r", gpus, runtime.gpu_slot)
     with contextlib.ExitStack() as stack:
         try:
             # a lost lease renewal (an API blip) must not kill a long run: the slot is only bookkeeping
             stack.enter_context(
-                concurrency(runtime.gpu_slot, occupy=1, strict=True, raise_on_lease_renewal_failure=False)
+                concurrency(runtime.gpu_slot, occupy=gpus, strict=True, raise_on_lease_renewal_failure=False)
             )
         except ConcurrencySlotAcquisitionError as exc:
             raise RuntimeSetupError(
-                f"runtime.gpu_slot={runtime.gpu_slot!r} names no global concurrency limit of the Prefect API "
-                f"({exc}). Create it with `prefect gcl create {runtime.gpu_slot} --limit GPUS` (or unset "
+                f"cannot take a slot of runtime.gpu_slot={runtime.gpu_slot!r} ({exc}). If the global concurrency "
+                f"limit does not exist, create it with `prefect gcl create {runtime.gpu_slot} --limit GPUS` (or unset "
                 "runtime.gpu_slot)"
             ) from None
         stage_logger().info("holding a slot of %r", runtime.gpu_slot)

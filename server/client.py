@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -231,9 +232,10 @@ class RewardClient:
 class ReplicatedRewardClient:
     """Replicas of one reward server (reward.url as a list), with the protocol of one: each batch is split into one
     contiguous piece per live replica, sent at once, and put back together in order. A replica that is unavailable
-    after its own retries (`RewardServiceUnavailable`) is left out for `rest_s` and its piece goes to the others;
-    any other error (a refused request, a scorer failing on the texts, another model) fails the call as with one
-    server. Every replica must serve the same scorer and embedder (name and revision)."""
+    after its own retries (`RewardServiceUnavailable`) is left out for `rest_s`, and its piece is split over the
+    replicas that have not failed it; when every replica has failed a piece, the call fails. Any other error (a
+    refused request, a scorer failing on the texts, another model) fails the call as with one server. Before its
+    first use every replica is checked to serve what the first one does and what the run config names."""
 
     def __init__(
         self,
@@ -246,6 +248,9 @@ class ReplicatedRewardClient:
         self.rest_s = rest_s
         self._down_until: dict[str, float] = {}
         self._info: ServiceInfo | None = None
+        self._cfg: RewardConfig | None = None
+        self._admitted: set[str] = set()
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -262,7 +267,8 @@ class ReplicatedRewardClient:
         return live
 
     def _mark_down(self, replica: RewardClient, exc: BaseException) -> None:
-        self._down_until[replica.url] = time.monotonic() + self.rest_s
+        with self._lock:
+            self._down_until[replica.url] = time.monotonic() + self.rest_s
         self.get_logger().warning(
             "reward server %s left out for %.0f s (%s); its texts go to the other replicas",
             replica.url,
@@ -270,56 +276,77 @@ class ReplicatedRewardClient:
             exc,
         )
 
+    def _admit(self, replica: RewardClient) -> None:
+        """Check a replica before its first use: it serves what the first replica served, and the run config."""
+        if replica.url in self._admitted:
+            return
+        info = replica.describe()  # RewardServiceUnavailable: down, left out
+        with self._lock:
+            if self._info is None:
+                self._info = info
+        if _served(info) != _served(self._info):
+            raise RewardServiceError(
+                f"reward server {replica.url} serves {_served(info)}, another replica {_served(self._info)}: start "
+                "every replica with the run's reward settings (`redteam-grpo serve-reward --config RUN_CONFIG`)"
+            )
+        if self._cfg is not None:
+            replica.verify(self._cfg)
+        with self._lock:
+            self._admitted.add(replica.url)
+
     def describe(self) -> ServiceInfo:
-        """What every live replica serves (checked to be one scorer and embedder, by name and revision)."""
+        """What the replicas serve; every live one is checked to serve the same (scorer, label, embedder, refusal)."""
+        for replica in self._live():
+            try:
+                self._admit(replica)
+            except RewardServiceUnavailable as exc:
+                self._mark_down(replica, exc)
         if self._info is None:
-            infos = {}
-            for replica in self._live():
-                try:
-                    infos[replica.url] = replica.describe()
-                except RewardServiceUnavailable as exc:
-                    self._mark_down(replica, exc)
-            if not infos:
-                self._live()  # raises: every replica is down
-            served = {
-                url: (i.scorer.name, i.scorer.revision, i.embedder and (i.embedder.name, i.embedder.revision))
-                for url, i in infos.items()
-            }
-            if len(set(served.values())) > 1:
-                raise RewardServiceError(
-                    f"the reward servers serve different models: {served}. Start every replica with the run's "
-                    "reward settings (`redteam-grpo serve-reward --config RUN_CONFIG`)"
-                )
-            self._info = next(iter(infos.values()))
+            self._live()  # every replica is down: raises
+        assert self._info is not None
         return self._info
 
     def verify(self, cfg: RewardConfig) -> None:
+        """Every replica serves what `cfg` names (a replica down now is checked when it is first used)."""
+        self._cfg = cfg
+        self._admitted.clear()
         self.describe()
-        for replica in self._live():
-            replica.verify(cfg)
 
     def _spread(self, n: int, call: Callable[[RewardClient, int, int], list]) -> list:
-        """`call(replica, start, end)` over contiguous pieces of `n` items, one per live replica, in parallel; a
-        piece whose replica is unavailable is sent again to the live ones. The results in item order."""
+        """`call(replica, start, end)` over contiguous pieces of the `n` items, one per live replica, in parallel. A
+        piece whose replica is unavailable is split over the live replicas that have not failed it; the results in
+        item order."""
         from concurrent.futures import ThreadPoolExecutor
 
         self.describe()
         results: dict[tuple[int, int], list] = {}
-        pending = _pieces(n, len(self._live()))
+        pending: list[tuple[tuple[int, int], frozenset[str]]] = [((0, n), frozenset())] if n else []
+
+        def attempt(replica: RewardClient, start: int, end: int) -> list:
+            self._admit(replica)
+            return call(replica, start, end)
+
         while pending:
             live = self._live()
-            with ThreadPoolExecutor(max_workers=len(pending)) as pool:
-                sent = [
-                    (piece, live[k % len(live)], pool.submit(call, live[k % len(live)], *piece))
-                    for k, piece in enumerate(pending)
-                ]
+            jobs = []
+            for (start, end), tried in pending:
+                candidates = [r for r in live if r.url not in tried]
+                if not candidates:
+                    raise RewardServiceUnavailable(
+                        f"texts {start}..{end - 1} of the batch failed on every reward server that answers "
+                        f"({', '.join(sorted(tried))}). Start them, then resume the run"
+                    )
+                for (a, b), replica in zip(_pieces(end - start, len(candidates)), candidates, strict=False):
+                    jobs.append(((start + a, start + b), tried, replica))
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                futures = [pool.submit(attempt, replica, *piece) for piece, _, replica in jobs]
             pending = []
-            for piece, replica, future in sent:
+            for (piece, tried, replica), future in zip(jobs, futures, strict=True):
                 try:
                     results[piece] = future.result()
                 except RewardServiceUnavailable as exc:
                     self._mark_down(replica, exc)
-                    pending.append(piece)
+                    pending.append((piece, tried | {replica.url}))
         return [item for piece in sorted(results) for item in results[piece]]
 
     def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
@@ -328,6 +355,18 @@ class ReplicatedRewardClient:
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
         rows = self._spread(len(texts), lambda r, a, b: r.embed(texts[a:b]).tolist())
         return torch.tensor(rows, dtype=torch.float32)
+
+
+def _served(info: ServiceInfo | None) -> str:
+    """What a reward server serves, comparable between replicas: models by name, revision and details, refusal."""
+    if info is None:
+        return ""
+
+    def model(m: ModelInfo | None) -> str:
+        return "none" if m is None else f"{m.name}@{m.revision} {json.dumps(m.details, sort_keys=True)}"
+
+    refusal = json.dumps(info.refusal, sort_keys=True, default=str)
+    return f"scorer {model(info.scorer)}, embedder {model(info.embedder)}, refusal {refusal}"
 
 
 def _pieces(n: int, parts: int) -> list[tuple[int, int]]:

@@ -57,11 +57,13 @@ def run_sharded_stage(
     runtime: RuntimeConfig,
     shard_task: Task,
     stats_of: Callable[[pa.Table], Any],
+    session: str,
 ) -> str:
     """Compute the stage's table as `runtime.shards` parts unless it is recorded completed; return its first part.
 
-    `shard_task(run_dir, iteration, shard)` writes one shard's part (`run.part_path`) and returns its path and
-    rows. Each part is recorded in the manifest as soon as it completes, so a shard that fails (after
+    `shard_task(run_dir, iteration, shard, session)` writes one shard's part (`run.part_path`) and returns its path
+    and rows; `session` (the owner's `RunResources.session`) tells a worker whether what it cached is this run's.
+    Each part is recorded in the manifest as soon as it completes, so a shard that fails (after
     `runtime.shard_retries` Prefect retries) fails the stage without losing the others, and a resumed run computes
     only the missing parts. `runtime.task_runner=ray`: the shards are submitted to the flow's task runner (a
     prefect-ray `RayTaskRunner`, `flows/runtime.py`) and run in parallel; `local`: one after the other, here.
@@ -90,8 +92,10 @@ def run_sharded_stage(
         from prefect.futures import as_completed
         from prefect_ray.context import remote_options
 
-        with remote_options(num_cpus=runtime.shard_cpus, num_gpus=runtime.shard_gpus):
-            futures = {task.submit(root, iteration, k): k for k in missing}
+        # max_calls=0: a worker (and the models it loaded) serves shard after shard; Ray's default for a task that
+        # reserves a GPU is a new process per task, which would load every model again
+        with remote_options(num_cpus=runtime.shard_cpus, num_gpus=runtime.shard_gpus, max_calls=0):
+            futures = {task.submit(root, iteration, k, session): k for k in missing}
         failed: list[tuple[int, BaseException]] = []
         for future in as_completed(list(futures)):
             shard = futures[future]
@@ -111,7 +115,7 @@ def run_sharded_stage(
             ) from exc
     else:
         for shard in missing:
-            record(shard, task(root, iteration, shard))
+            record(shard, task(root, iteration, shard, session))
 
     parts = [run.part_path(stage, iteration, k, runtime.shards) for k in range(runtime.shards)]
     table = run.read_parts(stage, iteration, parts)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,17 +31,48 @@ from redteam_grpo.storage.rundir import DamagedRunError, RunDir, RunDirError
 from redteam_grpo.storage.stages import ATTACKER_LEARNER, POLICY, Learner
 
 LEARNERS = {learner.role: learner for learner in (POLICY, ATTACKER_LEARNER)}
-# Errors a worker reports by name, raised again by the stage as themselves (the CLI explains them).
-_RERAISED = {error.__name__: error for error in (RatioCheckError, DamagedRunError, RunDirError)}
+STOP_GRACE_S = 30.0  # how long the processes get to end after SIGTERM before SIGKILL
 
 
 class DistributedUpdateError(RuntimeError):
-    """The torchrun processes of a train step failed; the message holds the first error and where the log is."""
+    """The torchrun processes of a train step failed; the message holds the error and the log's last lines."""
+
+
+def _reraised() -> dict[str, type[Exception]]:
+    """Errors a worker reports by name that the stage raises again as themselves (the CLI explains them)."""
+    from redteam_grpo.core.policy import PolicyError
+    from redteam_grpo.storage.checkpoints import CheckpointError
+    from redteam_grpo.storage.schemas import SchemaError
+    from redteam_grpo.tasks.train_step import JoinError
+
+    errors = (RatioCheckError, DamagedRunError, RunDirError, CheckpointError, PolicyError, SchemaError, JoinError)
+    return {error.__name__: error for error in errors}
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End torchrun and its workers (their own process group): SIGTERM, then SIGKILL after STOP_GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def launch(run: RunDir, iteration: int, learner: Learner, nproc: int) -> UpdateStats:
     """Run the update of `learner` for `iteration` in `nproc` torchrun processes; their statistics. The weights are
-    in the checkpoint folder when it returns."""
+    in the checkpoint folder when it returns. A stop (SIGTERM, SIGINT) ends the processes before it propagates."""
+    from redteam_grpo.core.policy import resolve_device
+
+    if resolve_device(run.stored_config().run.device).type == "cuda" and torch.cuda.device_count() < nproc:
+        raise DistributedUpdateError(
+            f"training.nproc={nproc} processes need {nproc} GPUs, this machine has {torch.cuda.device_count()}: lower "
+            "training.nproc (or set training.launcher=single)"
+        )
     with tempfile.TemporaryDirectory(prefix="redteam-grpo-torchrun-") as tmp:
         result = Path(tmp) / "result.json"
         log = Path(tmp) / "torchrun.log"
@@ -58,17 +90,23 @@ def launch(run: RunDir, iteration: int, learner: Learner, nproc: int) -> UpdateS
             str(result),
         ]
         with log.open("w") as out:
-            finished = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False)
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = process.wait()
+            except BaseException:
+                _stop(process)  # the workers must not outlive the stage, nor write weights after it
+                raise
         answer = json.loads(result.read_text()) if result.is_file() else None
-        if answer is not None and "error" in answer:
-            raise _RERAISED.get(answer["error"], DistributedUpdateError)(answer["message"])
-        if finished.returncode != 0 or answer is None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise DistributedUpdateError(
-                f"the train step's {nproc} torchrun processes failed (exit {finished.returncode}); nothing was "
-                f"recorded, resume the run to try again, or set training.launcher=single. Last lines:\n{tail}"
-            )
-    return UpdateStats(**answer["stats"])
+        if returncode == 0 and answer is not None and "stats" in answer:
+            return UpdateStats(**answer["stats"])
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        if answer is not None and answer.get("error") in _reraised():
+            raise _reraised()[answer["error"]](answer["message"])
+        first = f" ({answer['error']}: {answer['message']})" if answer is not None and "error" in answer else ""
+        raise DistributedUpdateError(
+            f"the train step's {nproc} torchrun processes failed (exit {returncode}){first}; nothing was recorded: "
+            f"resume the run to try again, or set training.launcher=single. The log's last lines:\n{tail}"
+        )
 
 
 def main(run_dir: str, iteration: int, role: str, result: Path) -> None:

@@ -8,6 +8,7 @@ run directory, so a resumed or re-run stage always computes on the weights it wo
 from __future__ import annotations
 
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class RunResources:
     _embedder: object | None = field(default=None, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
     _vllm: VllmSampler | None = field(default=None, repr=False)
+    session: str = field(default_factory=lambda: uuid.uuid4().hex)  # the owner's run of the flow these serve
 
     @property
     def scoring(self) -> ScoringBackend:
@@ -159,8 +161,13 @@ class RunResources:
 _CACHE: dict[Path, RunResources] = {}
 
 
-def resources_for(run_dir: str | Path) -> RunResources:
+def resources_for(run_dir: str | Path, session: str | None = None) -> RunResources:
+    """The run's resources in this process, built on first use. `session`: the owner's session (its
+    `RunResources.session`), passed to another process's shard task: what that process cached for an earlier
+    session (the same run resumed or redone, with other weights behind the same version numbers) is dropped."""
     root = Path(run_dir).resolve()
+    if session is not None and root in _CACHE and _CACHE[root].session != session:
+        del _CACHE[root]
     if root not in _CACHE:
         run = RunDir.open(root)
         config = run.stored_config()
@@ -170,6 +177,8 @@ def resources_for(run_dir: str | Path) -> RunResources:
             # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's attacker is loaded
             policy.add_role(ATTACKER)
         _CACHE[root] = RunResources(run, config, device, policy, make_optimizer(policy, config.training))
+        if session is not None:
+            _CACHE[root].session = session
     return _CACHE[root]
 
 

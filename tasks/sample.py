@@ -131,10 +131,10 @@ def iteration_prompts(res: RunResources, iteration: int) -> list[Prompt]:
 
 
 @task(name="sample-shard", task_run_name="sample-{iteration}-shard-{shard}", cache_policy=NO_CACHE)
-def sample_shard(run_dir: str, iteration: int, shard: int) -> tuple[str, int]:
+def sample_shard(run_dir: str, iteration: int, shard: int, session: str | None = None) -> tuple[str, int]:
     """Sample shard `shard` of the iteration's prompts with the weights after iteration - 1 and the shard's own seed;
     write its part of the rollouts table. Returns the part's path and rows."""
-    res = resources_for(run_dir)
+    res = resources_for(run_dir, session)
     cfg = res.config
     res.ensure_version(iteration - 1)
     prompts = iteration_prompts(res, iteration)
@@ -162,5 +162,11 @@ def sample_stage(run_dir: str, iteration: int) -> str:
     """Stage 1 in `runtime.shards` shards (`tasks/common.py: run_sharded_stage`), recorded with its statistics."""
     res = resources_for(run_dir)
     return run_sharded_stage(
-        res.run, SAMPLE, iteration, res.config.runtime, sample_shard, lambda t: rollouts_stats(t, res.policy)
+        res.run,
+        SAMPLE,
+        iteration,
+        res.config.runtime,
+        sample_shard,
+        lambda t: rollouts_stats(t, res.policy),
+        res.session,
     )

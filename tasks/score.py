@@ -132,10 +132,10 @@ def scores_stats(table: pa.Table) -> ScoreStats:
 
 
 @task(name="score-shard", task_run_name="score-{iteration}-shard-{shard}", cache_policy=NO_CACHE)
-def score_shard(run_dir: str, iteration: int, shard: int) -> tuple[str, int]:
+def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = None) -> tuple[str, int]:
     """Score shard `shard`'s part of the rollouts; write its part of the scores table. Novelty compares a completion
     with the others of its shard and with the memory of earlier iterations."""
-    res = resources_for(run_dir)
+    res = resources_for(run_dir, session)
     cfg = res.config
     r = cfg.reward
     shards = cfg.runtime.shards
@@ -199,4 +199,4 @@ def score_shard(run_dir: str, iteration: int, shard: int) -> tuple[str, int]:
 def score_stage(run_dir: str, iteration: int) -> str:
     """Stage 2 in `runtime.shards` shards, one per part of the rollouts (`tasks/common.py: run_sharded_stage`)."""
     res = resources_for(run_dir)
-    return run_sharded_stage(res.run, SCORE, iteration, res.config.runtime, score_shard, scores_stats)
+    return run_sharded_stage(res.run, SCORE, iteration, res.config.runtime, score_shard, scores_stats, res.session)

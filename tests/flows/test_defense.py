@@ -139,3 +139,14 @@ def test_entropy_minimisation_without_its_kl_anchor_is_flagged(tmp_path, attacke
     table = pd.DataFrame({"base": base, "defended": defended}).round(3).to_string() + f"\n{checks}"
     assert defended["asr_heldout_goals"] < base["asr_heldout_goals"] / 2, table  # it looks like a defense...
     assert checks["over_refusal_flag"] or checks["retention_flag"], table  # ...and is flagged
+
+
+def test_a_sharded_defense_iteration_splits_the_attackers_prompts_into_whole_groups(tmp_path, attacker):
+    run = _defense(tmp_path, "sharded", attacker, "run.iterations=1", "runtime.shards=2")
+    attacks = run.read(ATTACK, 0).to_pandas()
+    parts = [pd.read_parquet(p) for p in run.table_paths(SAMPLE, 0)]
+    assert len(parts) == 2 and len(run.table_paths(SCORE, 0)) == 2
+    assert sum(map(len, parts)) == len(attacks) * run.stored_config().sampling.group_size
+    assert not set(parts[0].prompt_id) & set(parts[1].prompt_id)  # an attacker prompt's group in one shard
+    assert set(pd.concat(parts).prompt) == set(attacks.completion_text)
+    assert run.manifest()["status"] == "completed"

@@ -132,3 +132,29 @@ def test_redo_drops_the_recorded_parts_of_a_stage_in_flight(tmp_path, monkeypatc
 def test_more_shards_than_prompts_is_refused_naming_both_settings(tmp_path):
     with pytest.raises(ValueError, match=r"runtime.shards=5 is more than data.prompts_per_iteration=4"):
         _config(tmp_path, "x", "runtime.shards=5")
+
+
+def test_a_gpu_run_on_ray_without_gpus_for_its_shards_is_refused(tmp_path, monkeypatch):
+    import torch
+
+    from redteam_grpo.flows import runtime
+
+    monkeypatch.setattr(runtime, "resolve_device", lambda device: torch.device("cuda"))
+    cfg = _config(tmp_path, "g", "runtime.task_runner=ray")
+    with pytest.raises(runtime.RuntimeSetupError, match=r"runtime.shard_gpus=1"):
+        runtime.check_runtime(cfg)
+    runtime.check_runtime(_config(tmp_path, "g", "runtime.task_runner=ray", "runtime.shard_gpus=0.5"))
+
+
+def test_a_worker_drops_what_it_cached_for_another_session_of_the_run(tmp_path):
+    from redteam_grpo.tasks import resources
+
+    run = RunDir.create(_config(tmp_path, "w"))
+    try:
+        first = resources.resources_for(run.root, "session-1")
+        assert resources.resources_for(run.root, "session-1") is first
+        assert resources.resources_for(run.root) is first  # the owner's own calls name no session
+        second = resources.resources_for(run.root, "session-2")  # the run resumed or redone: other weights
+        assert second is not first and second.session == "session-2"
+    finally:
+        resources.forget(run.root)

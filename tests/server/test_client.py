@@ -203,8 +203,44 @@ def test_replicas_that_serve_different_models_are_refused():
     client = ReplicatedRewardClient(
         [_replica(FakeServer(), "http://a.test"), _replica(FakeServer(ready=ready, scorer=other), "http://b.test")]
     )
-    with pytest.raises(RewardServiceError, match="serve different models"):
+    with pytest.raises(RewardServiceError, match=r"http://b.test serves scorer embedded:tiny-toxicity@r2.*another"):
         client.score(["a"], ["p"])
+
+
+def test_a_replica_down_at_the_start_is_checked_when_it_is_first_used():
+    other = {**SCORER, "details": {"label": "non-toxic"}}
+    ready = {**READY, "service": {**READY["service"], "scorer": other}}
+    late = FakeServer(ready=ready, scorer=other)
+    state = {"up": False}
+
+    def late_server(request):
+        if not state["up"]:
+            raise httpx.ConnectError("refused", request=request)
+        return late(request)
+
+    client = ReplicatedRewardClient(
+        [_replica(FakeServer(), "http://a.test"), _replica(late_server, "http://b.test")], rest_s=0.0
+    )
+    client.verify(RewardConfig())
+    state["up"] = True  # b comes up serving another label: refused before it scores anything
+    with pytest.raises(RewardServiceError, match=r"label.*non-toxic"):
+        client.score(["a", "b"], ["p", "q"])
+    assert not late.score_calls
+
+
+def test_failed_pieces_go_to_replicas_that_have_not_failed_them_and_the_call_ends():
+    a, b, healthy = FakeServer(failures=["drop"] * 100), FakeServer(failures=["drop"] * 100), FakeServer()
+    client = ReplicatedRewardClient(
+        [_replica(a, "http://a.test"), _replica(b, "http://b.test"), _replica(healthy, "http://c.test")], rest_s=0.0
+    )
+    texts = [f"t{k}" for k in range(7)]
+    assert [s.score for s in client.score(texts, ["p"] * 7)] == [len(t) / 100 for t in texts]
+    assert sum(map(len, healthy.score_calls)) == 7
+    dead = ReplicatedRewardClient(
+        [_replica(FakeServer(failures=["drop"] * 100), f"http://{x}.test") for x in "de"], rest_s=0.0
+    )
+    with pytest.raises(RewardServiceError, match="failed on every reward server"):
+        dead.score(texts, ["p"] * 7)
 
 
 def test_a_replica_refusing_the_texts_fails_the_call_instead_of_moving_them():

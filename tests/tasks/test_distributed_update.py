@@ -4,6 +4,10 @@ single-process train step writes on the same batch, to float tolerance, and the 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +83,32 @@ def test_a_refused_step_in_the_workers_is_the_same_error_as_in_process(tmp_path)
     assert run.completed(TRAIN_STEP, 0) is None and not run.path(TRAIN_STEP, 0).exists()
     assert not (run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE).exists()  # nothing half-written either
     resources.forget(run.root)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (a zombie waiting for its parent to reap it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_stopped_train_step_ends_its_torchrun_processes(tmp_path):
+    from redteam_grpo.tasks import distributed_update
+
+    child = tmp_path / "child.pid"
+    script = (
+        "import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
+        f"open({str(child)!r}, 'w').write(str(p.pid)); time.sleep(300)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)  # torchrun and a worker
+    deadline = time.monotonic() + 30
+    while not (child.exists() and child.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(child.read_text())
+    distributed_update._stop(process)
+    assert process.poll() is not None
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), "a worker outlived the stopped train step"
