@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,21 @@ def iteration_flow_for(iteration_flow: Any, runtime: RuntimeConfig) -> Any:
     return iteration_flow.with_options(task_runner=prefect_ray.RayTaskRunner(address=runtime.ray_address))
 
 
+def _check_reachable(address: str) -> None:
+    """Fail at once on a Ray address nothing listens at (Ray itself retries for minutes); `auto` is Ray's to find."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as exc:
+        raise RuntimeSetupError(
+            f"nothing answers at runtime.ray_address={address!r} ({exc}): start the cluster (`ray start --head`), "
+            "fix the address (ray://HOST:10001 or HOST:6379), or unset it to start a local Ray instance"
+        ) from None
+
+
 @contextlib.contextmanager
 def ray_session(runtime: RuntimeConfig) -> Iterator[None]:
     """Connect to the Ray cluster (or start a local instance) for the duration of the run; a no-op for `local`.
@@ -63,6 +79,8 @@ def ray_session(runtime: RuntimeConfig) -> Iterator[None]:
     }
     if runtime.ray_address is None:
         options["num_cpus"] = runtime.ray_num_cpus
+    else:
+        _check_reachable(runtime.ray_address)
     try:
         ray.init(runtime.ray_address, **options)
     except (ConnectionError, RuntimeError, ValueError) as exc:

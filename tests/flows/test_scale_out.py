@@ -158,3 +158,19 @@ def test_a_worker_drops_what_it_cached_for_another_session_of_the_run(tmp_path):
         assert second is not first and second.session == "session-2"
     finally:
         resources.forget(run.root)
+
+
+def test_a_ray_address_nothing_answers_at_is_an_error_at_once(tmp_path):
+    import socket
+
+    from redteam_grpo.flows import runtime
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = _config(tmp_path, "a", "runtime.task_runner=ray", f"runtime.ray_address=ray://127.0.0.1:{port}")
+    with pytest.raises(runtime.RuntimeSetupError, match=r"nothing answers at runtime.ray_address='ray://127.0.0.1"):
+        runtime.ray_session(cfg.runtime).__enter__()
+    no_port = _config(tmp_path, "b", "runtime.task_runner=ray", "runtime.ray_address=head").runtime
+    with pytest.raises(runtime.RuntimeSetupError, match="fix the address"):
+        runtime.ray_session(no_port).__enter__()
