@@ -61,8 +61,8 @@ BUG_CLASSES = [
     (
         "update-sees-another-roles-adapter",
         "tasks/train_step.py",
-        "        with res.policy.role(learner.role):",
-        '        with res.policy.role("default"):',
+        "    with res.policy.role(learner.role):",
+        '    with res.policy.role("default"):',
         "tests/flows/test_self_play.py::test_self_play_updates_both_adapters_each_on_its_own_rollouts",
     ),
     (
