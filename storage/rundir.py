@@ -238,27 +238,19 @@ class RunDir:
     def completed_part(self, stage: Stage, iteration: int, shard: int) -> dict[str, Any] | None:
         """The record of a shard's part if it completed and its file is intact, else None (computed again)."""
         entry = self.manifest().get("shards", {}).get(_manifest_key(stage, iteration), {}).get(str(shard))
-        if entry is None:
-            return None
-        if any(file_digest(self.root / rel) != digest for rel, digest in entry["files"].items()):
-            return None
-        return entry
+        return entry if entry is not None and self._intact(entry) else None
 
-    def read_parts(self, stage: Stage, iteration: int, paths: list[Path]) -> pa.Table:
-        """The recorded, intact parts at `paths` as one table (before the stage itself is recorded)."""
-        recorded = {
-            rel: digest
-            for part in self.manifest().get("shards", {}).get(_manifest_key(stage, iteration), {}).values()
-            for rel, digest in part["files"].items()
-        }
-        for path in paths:
-            rel = str(path.relative_to(self.root))
-            if rel not in recorded or file_digest(path) != recorded[rel]:
+    def read_parts(self, stage: Stage, iteration: int, shards: int) -> tuple[pa.Table, list[Path]]:
+        """The stage's `shards` recorded, intact parts as one table, and their paths (before the stage itself is
+        recorded)."""
+        paths = [self.part_path(stage, iteration, k, shards) for k in range(shards)]
+        for shard, path in enumerate(paths):
+            if self.completed_part(stage, iteration, shard) is None:
                 raise DamagedRunError(
                     f"{path} is not a recorded, intact part of {stage.name} of iteration {iteration}: resume the run "
                     f"(redteam-grpo {self.command} --resume {self.root}) to compute it again"
                 )
-        return self._read_parts(stage, paths)
+        return self._read_parts(stage, paths), paths
 
     # -- creation and resume -------------------------------------------------------------------------------
 
@@ -425,11 +417,11 @@ class RunDir:
         """The manifest entry if the stage of `iteration` completed and its files are intact, else None (the
         stage is then computed again)."""
         entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
-        if entry is None:
-            return None
-        if any(file_digest(self.root / rel) != digest for rel, digest in entry["files"].items()):
-            return None
-        return entry
+        return entry if entry is not None and self._intact(entry) else None
+
+    def _intact(self, entry: dict[str, Any]) -> bool:
+        """Every file of a manifest record (a stage's or a shard's) has the checksum recorded for it."""
+        return all(file_digest(self.root / rel) == digest for rel, digest in entry["files"].items())
 
     def verify(self, stage: Stage, iteration: int, weights: bool = True) -> dict[str, Any]:
         """The manifest entry of a completed stage whose files are intact; else an error that names the file, what

@@ -81,12 +81,12 @@ def run_sharded_stage(
     root = str(run.root.resolve())  # a worker's working directory may be another
 
     def record(shard: int, result: tuple[str, int]) -> None:
-        path, rows = result
-        expected = run.part_path(stage, iteration, shard, runtime.shards).resolve()
-        if Path(path).resolve() != expected:
-            raise ShardError(f"shard {shard} of {stage.name} wrote {path}, not its part {expected}")
+        written, rows = result
+        part = run.part_path(stage, iteration, shard, runtime.shards)
+        if Path(written).resolve() != part.resolve():
+            raise ShardError(f"shard {shard} of {stage.name} wrote {written}, not its part {part}")
         with interrupts.recording():
-            run.record_part(stage, iteration, shard, run.part_path(stage, iteration, shard, runtime.shards), rows)
+            run.record_part(stage, iteration, shard, part, rows)
 
     if runtime.task_runner == "ray":
         from prefect.futures import as_completed
@@ -117,8 +117,7 @@ def run_sharded_stage(
         for shard in missing:
             record(shard, task(root, iteration, shard, session))
 
-    parts = [run.part_path(stage, iteration, k, runtime.shards) for k in range(runtime.shards)]
-    table = run.read_parts(stage, iteration, parts)
+    table, parts = run.read_parts(stage, iteration, runtime.shards)
     stats = stats_of(table)
     with interrupts.recording():
         run.record_done(stage, iteration, parts, parts=parts, rows=table.num_rows, stats=_as_dict(stats))

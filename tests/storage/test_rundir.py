@@ -180,7 +180,7 @@ def test_a_damaged_part_is_named_by_every_reader_and_a_changed_one_is_computed_a
     paths[1].write_bytes(paths[1].read_bytes()[:-8] + b"damaged!")
     assert run.completed_part(ADVANTAGE, 0, 1) is None and run.completed_part(ADVANTAGE, 0, 0)
     with pytest.raises(RunDirError, match=r"advantages-00001-of-00002\.parquet is not a recorded, intact part"):
-        run.read_parts(ADVANTAGE, 0, paths)
+        run.read_parts(ADVANTAGE, 0, 2)
     paths = _parts(run, 1, 2)
     run.record_done(ADVANTAGE, 1, paths, parts=paths, rows=2, stats={})
     paths[1].unlink()
