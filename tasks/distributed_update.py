@@ -99,9 +99,10 @@ def launch(run: RunDir, iteration: int, learner: Learner, nproc: int) -> UpdateS
         answer = json.loads(result.read_text()) if result.is_file() else None
         if returncode == 0 and answer is not None and "stats" in answer:
             return UpdateStats(**answer["stats"])
+        known = _reraised()
+        if answer is not None and answer.get("error") in known:
+            raise known[answer["error"]](answer["message"])
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        if answer is not None and answer.get("error") in _reraised():
-            raise _reraised()[answer["error"]](answer["message"])
         first = f" ({answer['error']}: {answer['message']})" if answer is not None and "error" in answer else ""
         raise DistributedUpdateError(
             f"the train step's {nproc} torchrun processes failed (exit {returncode}){first}; nothing was recorded: "
