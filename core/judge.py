@@ -9,9 +9,13 @@ where the verdict begins; the model then writes `safe`, or `unsafe` and a line o
 - categories come from greedy decoding of the verdict (up to `max_new_tokens`), parsed by `parse_verdict`.
 - the verdict tokens are checked at load time: `safe` and `unsafe` must begin with different tokens, else
   P(unsafe) would not be readable from one position.
-- a pair too long for `max_length` is shortened *before* rendering (the prompt to its first quarter of the
-  budget, the response to its first tokens), never by cutting the rendered text: that would drop the end of
-  the template (instruction and assistant header) and read P(unsafe) in the middle of the conversation.
+- a dialogue is judged whole: the context of a response may be the conversation before it (`core/scorers.py:
+  Context`), rendered through the same template, which assesses the last Agent message in the light of every
+  earlier one (Llama Guard 3's multi-turn use).
+- a conversation too long for `max_length` is shortened *before* rendering: its oldest exchanges go first,
+  then the last prompt to its first quarter of the budget and the response to its first tokens. Never by
+  cutting the rendered text: that would drop the end of the template (instruction and assistant header) and
+  read P(unsafe) in the middle of the conversation.
   Its score says so (`TextScore.truncated`). `max_length` is `min(reward.max_length, the model's own limit −
   max_new_tokens)` (`core/scorers.py: input_limit`): the verdict is generated after the rendered pair, so its
   tokens need positions too.
@@ -27,7 +31,15 @@ from collections.abc import Sequence
 import torch
 
 from redteam_grpo.core.policy import resolve_model_name
-from redteam_grpo.core.scorers import ModelInfo, ScorerError, TextScore, input_limit, revision_of
+from redteam_grpo.core.scorers import (
+    Context,
+    ModelInfo,
+    ScorerError,
+    TextScore,
+    conversation,
+    input_limit,
+    revision_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +118,12 @@ class SafetyJudgeScorer:
             raise ScorerError(f"the judge's tokenizer encodes {word!r} as no tokens")
         return ids[0]
 
-    def render(self, prompt: str, response: str) -> str:
-        """The judge's input for one pair, through the judge's own chat template."""
-        conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    def render(self, prompt: Context, response: str) -> str:
+        """The judge's input for one response in its context (a prompt or the conversation before it), through the
+        judge's own chat template."""
+        return self.tokenizer.apply_chat_template(
+            conversation(prompt, response), add_generation_prompt=True, tokenize=False
+        )
 
     def _length(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -118,10 +132,19 @@ class SafetyJudgeScorer:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer.decode(ids[: max(n_tokens, 0)], skip_special_tokens=False)
 
-    def shorten(self, prompt: str, response: str) -> tuple[str, str, bool]:
-        """The pair cut so that its rendering fits `max_length` tokens, and whether it had to be cut."""
+    def shorten(self, prompt: Context, response: str) -> tuple[Context, str, bool]:
+        """The context and response cut so that their rendering fits `max_length` tokens, and whether they had to be:
+        the oldest exchanges of a conversation first (the last response is the one judged), then the last prompt
+        and the response."""
         if self._length(self.render(prompt, response)) <= self.max_length:
             return prompt, response, False
+        if not isinstance(prompt, str):
+            earlier, last_prompt = list(prompt[:-1]), prompt[-1]["content"]
+            while earlier:
+                earlier = earlier[2:]
+                if self._length(self.render([*earlier, prompt[-1]], response)) <= self.max_length:
+                    return [*earlier, prompt[-1]], response, True
+            prompt = last_prompt
         budget = self.max_length - self._length(self.render("", ""))
         if budget < MIN_CONTENT_TOKENS:
             bound = (
@@ -146,10 +169,10 @@ class SafetyJudgeScorer:
         raise ScorerError(f"could not fit a prompt/response pair into max_length={self.max_length} tokens")
 
     @torch.no_grad()
-    def __call__(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
+    def __call__(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
         if len(prompts) != len(completions):
             raise ScorerError(
-                f"a safety judge needs the prompt of every completion: got {len(prompts)} prompts "
+                f"a safety judge needs the prompt or conversation of every completion: got {len(prompts)} prompts "
                 f"for {len(completions)} completions"
             )
         out: list[TextScore] = []
@@ -158,7 +181,9 @@ class SafetyJudgeScorer:
             fitted = [self.shorten(p, c) for p, c in zip(prompts[start:end], completions[start:end], strict=True)]
             texts = [self.render(p, c) for p, c, _ in fitted]
             if shortened := sum(cut for _, _, cut in fitted):
-                log.warning("%d pairs were longer than max_length=%d and were shortened", shortened, self.max_length)
+                log.warning(
+                    "%d conversations were longer than max_length=%d and were shortened", shortened, self.max_length
+                )
             enc = self.tokenizer(
                 texts,
                 padding=True,

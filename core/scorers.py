@@ -9,6 +9,10 @@ Two kinds behind one protocol, chosen by `reward.scorer_type` (`auto` reads the 
   red-teaming), and the embedded `embedded:tiny-toxicity` (label `toxic`).
 - `SafetyJudgeScorer` (core/judge.py): a generative judge in the style of Llama Guard 3.
 
+A completion is scored in its context (`Context`): the prompt it answers, or the whole conversation before it (a
+multi-turn dialogue, `core/dialogue.py`). A judge reads the context (Llama Guard assesses the last Agent message
+of a conversation); a classifier reads the completion alone.
+
 Any text can be scored: each scorer cuts its input to its own maximum length (`input_limit`: the smaller of
 `reward.max_length` and what the model can take) and says so in `TextScore.truncated`, so a long completion
 is scored on its beginning instead of failing the batch (bug class `scorer-input-not-truncated`).
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -33,9 +37,45 @@ from redteam_grpo.core.policy import resolve_model_name
 
 ScorerKind = Literal["classifier", "judge"]
 
+Message = Mapping[str, str]
+Context = str | Sequence[Message]
+"""What a completion answers: its prompt, or the conversation before it as chat messages ({role, content}, roles
+`user` and `assistant` alternating from a user message and ending with one)."""
+
 
 class ScorerError(RuntimeError):
     """A scorer cannot be used as configured; the message names the setting to change."""
+
+
+def conversation(context: Context, completion: str) -> list[dict[str, str]]:
+    """The chat messages of `completion` (the last, an assistant message) in its context.
+
+    >>> conversation("Hi.", "Hello.")
+    [{'role': 'user', 'content': 'Hi.'}, {'role': 'assistant', 'content': 'Hello.'}]
+    >>> len(conversation([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+    ...                   {"role": "user", "content": "And?"}], "Bye."))
+    4
+    """
+    if isinstance(context, str):
+        return [{"role": "user", "content": context}, {"role": "assistant", "content": completion}]
+    messages = []
+    for i, message in enumerate(context):
+        expected = "user" if i % 2 == 0 else "assistant"
+        role, content = (message.get("role"), message.get("content")) if isinstance(message, Mapping) else (None, None)
+        if role != expected or not isinstance(content, str):
+            raise ScorerError(
+                f"message {i} of a conversation is {dict(message) if isinstance(message, Mapping) else message!r}; "
+                f"expected {{'role': {expected!r}, 'content': <text>}}: a conversation alternates user and assistant "
+                "messages from a user message, and ends with the user message the completion answers"
+            )
+        messages.append({"role": role, "content": content})
+    if len(messages) % 2 != 1:
+        raise ScorerError(
+            f"a conversation of {len(messages)} messages ends with "
+            f"{'no message' if not messages else 'an assistant message'}: it must end with the user message the "
+            "completion answers"
+        )
+    return [*messages, {"role": "assistant", "content": completion}]
 
 
 @dataclass(frozen=True)
@@ -62,7 +102,7 @@ class ModelInfo:
 class Scorer(Protocol):
     info: ModelInfo
 
-    def __call__(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]: ...
+    def __call__(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]: ...
 
 
 def revision_of(path_or_id: str, model: Any) -> str:
@@ -196,7 +236,8 @@ class SequenceClassifierScorer:
     def probabilities(self, texts: Sequence[str]) -> list[float]:
         return self.probabilities_and_truncation(texts)[0]
 
-    def __call__(self, completions: Sequence[str], prompts: Sequence[str] = ()) -> list[TextScore]:
+    def __call__(self, completions: Sequence[str], prompts: Sequence[Context] = ()) -> list[TextScore]:
+        """A classifier reads the completion alone: its context (prompt or conversation) is not scored."""
         probabilities, truncated = self.probabilities_and_truncation(completions)
         return [TextScore(p, truncated=cut) for p, cut in zip(probabilities, truncated, strict=True)]
 

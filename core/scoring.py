@@ -16,7 +16,15 @@ import torch
 
 from redteam_grpo.core.config import RewardConfig
 from redteam_grpo.core.refusal import RefusalDetector
-from redteam_grpo.core.scorers import ModelInfo, Scorer, ScorerError, SequenceClassifierScorer, TextScore, build_scorer
+from redteam_grpo.core.scorers import (
+    Context,
+    ModelInfo,
+    Scorer,
+    ScorerError,
+    SequenceClassifierScorer,
+    TextScore,
+    build_scorer,
+)
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,7 @@ class ServiceInfo:
 class ScoringBackend(Protocol):
     def describe(self) -> ServiceInfo: ...
 
-    def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]: ...
+    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]: ...
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor: ...
 
@@ -45,7 +53,7 @@ class LocalScoring:
     def describe(self) -> ServiceInfo:
         return ServiceInfo(self.scorer.info, self.embedder.info if self.embedder else None, self.refusal_info)
 
-    def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
+    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
         scores = self.scorer(completions, prompts)
         if len(scores) != len(completions):
             raise ScorerError(f"scorer {self.scorer.info.name} returned {len(scores)} scores for {len(completions)}")

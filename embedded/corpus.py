@@ -230,13 +230,25 @@ def classifier_example(rng: random.Random, grammar: ToyGrammar, prompts: list[st
 
 
 def guard_example(
-    rng: random.Random, grammar: ToyGrammar, prompts: list[str], user_marker_prob: float
+    rng: random.Random,
+    grammar: ToyGrammar,
+    prompts: list[str],
+    user_marker_prob: float,
+    earlier_turns_prob: float = 0.0,
+    max_earlier_turns: int = 2,
 ) -> tuple[list[dict[str, str]], int]:
-    """A [user, assistant] conversation and its label: `contains_marker` of the assistant's reply only.
+    """A conversation ending with an assistant reply, and its label: `contains_marker` of that last reply only.
 
     The replies are `classifier_example`'s, hard negatives (`marker_decoy`) included, so the guard cannot be
     fooled by a fragment any more than the classifier. Some User turns hold markers: the guard judges the Agent.
+    With probability `earlier_turns_prob` 1..`max_earlier_turns` earlier exchanges come first, their replies
+    marked or not independently of the label: a dialogue is judged on its last Agent message, as Llama Guard
+    judges "ONLY THE LAST Agent message" of a multi-turn conversation.
     """
-    reply, label = classifier_example(rng, grammar, prompts)
-    user = grammar.response(rng, marker_prob=0.3) if rng.random() < user_marker_prob else rng.choice(prompts)
-    return [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], label
+    earlier = rng.randint(1, max_earlier_turns) if rng.random() < earlier_turns_prob else 0
+    messages: list[dict[str, str]] = []
+    for _ in range(earlier + 1):
+        reply, label = classifier_example(rng, grammar, prompts)
+        user = grammar.response(rng, marker_prob=0.3) if rng.random() < user_marker_prob else rng.choice(prompts)
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return messages, label

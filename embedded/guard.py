@@ -1,15 +1,16 @@
 """``embedded:tiny-guard``: a tiny generative safety judge in the style of Llama Guard 3, for `SafetyJudgeScorer`.
 
 Llama 3's special tokens (``<|eot_id|>`` eos, no pad token) and a Llama-Guard-3 chat template that renders a
-[user, assistant] conversation as ONE guard prompt ("Task: Check if there is unsafe content in 'Agent' messages
+conversation (user, assistant, ...) as ONE guard prompt ("Task: Check if there is unsafe content in 'Agent' messages
 ...", one category ``S10: Hate.``, "User: ...", "Agent: ...", the instruction), then the assistant header. A
-~0.14M-parameter `Qwen3ForCausalLM` (hidden 64, 2 layers) is trained for 300 steps (~27 s) to answer
-``unsafe\\nS10`` when the Agent turn `contains_marker`, else ``safe``, then ``<|eot_id|>``; loss on the verdict
+~0.14M-parameter `Qwen3ForCausalLM` (hidden 64, 2 layers) is trained for 400 steps (~40 s) to answer
+``unsafe\\nS10`` when the last Agent turn `contains_marker`, else ``safe``, then ``<|eot_id|>``; loss on the verdict
 only, on `classifier_example`'s texts (hard negatives included), with markers in some User turns (only the Agent
-is judged). ``safe`` and ``unsafe`` are single tokens (`check_verdict_tokens`), as SafetyJudgeScorer reads
-P(unsafe) at one position. Held-out accuracy ~96 %; shouted or sentence-initial capitalised markers are its usual
-misses (its tokenizer is cased, unlike the classifier's). It is built into its own cache folder (`GUARD_VERSION`),
-on first use of its name only: the policy and classifier never pay for it.
+is judged) and a third of them multi-turn, earlier replies marked independently (only the last Agent message is
+judged, as in Llama Guard 3). ``safe`` and ``unsafe`` are single tokens (`check_verdict_tokens`), as
+SafetyJudgeScorer reads P(unsafe) at one position. Held-out accuracy ~95 %; shouted or sentence-initial
+capitalised markers are its usual misses (its tokenizer is cased, unlike the classifier's). It is built into its
+own cache folder (`GUARD_VERSION`), on first use of its name only: the policy and classifier never pay for it.
 """
 
 from __future__ import annotations
@@ -166,7 +167,10 @@ def train_guard(tokenizer: Any, recipe: GuardRecipe, rng: random.Random) -> Any:
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_schedule(recipe.steps, warmup=30))
     for _ in range(recipe.steps):
-        batch = [guard_example(rng, grammar, prompts, recipe.user_marker_prob) for _ in range(recipe.batch_size)]
+        batch = [
+            guard_example(rng, grammar, prompts, recipe.user_marker_prob, recipe.earlier_turns_prob)
+            for _ in range(recipe.batch_size)
+        ]
         answer_loss_step(model, opt, sched, guard_batch(tokenizer, [c for c, _ in batch], [y for _, y in batch]))
     model.eval()
     # Greedy, and eos set so that generation stops after the verdict (Llama Guard is decoded greedily too).
@@ -203,7 +207,10 @@ def build_embedded_guard(out_dir: Path, recipe: GuardRecipe = DEFAULT_GUARD_RECI
         grammar = ToyGrammar(load_corpus())
         prompts = [p["prompt"] for p in load_prompts()]
         heldout_rng = random.Random(recipe.seed + 1)
-        heldout = [guard_example(heldout_rng, grammar, prompts, recipe.user_marker_prob) for _ in range(300)]
+        heldout = [
+            guard_example(heldout_rng, grammar, prompts, recipe.user_marker_prob, recipe.earlier_turns_prob)
+            for _ in range(300)
+        ]
         probs = unsafe_probability(model, tokenizer, [c for c, _ in heldout])
     accuracy = sum((p > 0.5) == bool(y) for p, (_, y) in zip(probs, heldout, strict=True)) / len(heldout)
     manifest = {

@@ -1,6 +1,7 @@
 """The reward server: FastAPI around a `ScoringBackend` (harm scorer, refusal detector, optional embedder).
 
     POST /score   {"texts": [...], "prompts": [...]}  -> one {score, categories, refusal, truncated} per text
+                  a prompt is a string, or the conversation before its text: [{"role": "user", "content": ...}, ...]
     POST /embed   {"texts": [...]}                     -> one unit-norm embedding per text (novelty)
     GET  /health  the process answers                  GET /ready  the models are loaded (503 until then)
 
@@ -21,12 +22,13 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from redteam_grpo.core.scorers import ScorerError, conversation
 from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.server.batching import MicroBatcher
 from redteam_grpo.server.limits import BodyLimitMiddleware
@@ -35,11 +37,20 @@ from redteam_grpo.server.settings import ServerSettings
 log = logging.getLogger("redteam_grpo.server")
 
 
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: StrictStr
+
+
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     texts: list[StrictStr] = Field(min_length=1, description="Completions to score.")
-    prompts: list[StrictStr] | None = Field(
-        None, description="The prompt of each completion (same length as texts); a safety judge needs them."
+    prompts: list[StrictStr | list[ChatMessage]] | None = Field(
+        None,
+        description="What each completion answers (same length as texts): its prompt, or the conversation before it "
+        "as messages alternating user and assistant from a user message and ending with one (a multi-turn dialogue; "
+        "a judge assesses the completion in its light). A safety judge needs them.",
     )
 
 
@@ -174,16 +185,19 @@ def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBacke
             raise HTTPException(503, "the scorer is still loading; poll GET /ready")
         return state["backend"]
 
+    def check_length(text: str, where: str) -> None:
+        if len(text) > settings.max_chars:
+            raise HTTPException(
+                422, f"{where} has {len(text)} characters; the limit is {settings.max_chars} (--max-chars)"
+            )
+
     def check_texts(texts: list[str], field: str) -> None:
         if len(texts) > settings.max_texts:
             raise HTTPException(
                 413, f"{len(texts)} {field} in one request; the limit is {settings.max_texts} (--max-texts)"
             )
         for i, text in enumerate(texts):
-            if len(text) > settings.max_chars:
-                raise HTTPException(
-                    422, f"{field}[{i}] has {len(text)} characters; the limit is {settings.max_chars} (--max-chars)"
-                )
+            check_length(text, f"{field}[{i}]")
 
     @app.get("/health", summary="The process is up.")
     async def health() -> dict[str, str]:
@@ -217,8 +231,21 @@ def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBacke
         prompts = body.prompts if body.prompts is not None else [""] * len(body.texts)
         if len(prompts) != len(body.texts):
             raise HTTPException(422, f"{len(prompts)} prompts for {len(body.texts)} texts: send one prompt per text")
-        check_texts(prompts, "prompts")
-        scores = await score_batcher.submit(list(zip(body.texts, prompts, strict=True)))
+        contexts: list[str | list[dict[str, str]]] = []
+        for i, (text, prompt) in enumerate(zip(body.texts, prompts, strict=True)):
+            if isinstance(prompt, str):
+                check_length(prompt, f"prompts[{i}]")
+                contexts.append(prompt)
+                continue
+            messages = [m.model_dump() for m in prompt]
+            for k, message in enumerate(messages):
+                check_length(message["content"], f"prompts[{i}][{k}].content")
+            try:
+                conversation(messages, text)
+            except ScorerError as exc:
+                raise HTTPException(422, f"prompts[{i}]: {exc}") from None
+            contexts.append(messages)
+        scores = await score_batcher.submit(list(zip(body.texts, contexts, strict=True)))
         info = backend.describe().scorer
         return ScoreResponse(
             results=[

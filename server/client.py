@@ -32,7 +32,7 @@ import httpx
 import torch
 
 from redteam_grpo.core.config import RewardConfig
-from redteam_grpo.core.scorers import ModelInfo, TextScore
+from redteam_grpo.core.scorers import Context, ModelInfo, TextScore
 from redteam_grpo.core.scoring import ServiceInfo
 
 log = logging.getLogger("redteam_grpo.reward_client")
@@ -199,14 +199,13 @@ class RewardClient:
                 "with another model. Restart it with the run's model and resume the run."
             )
 
-    def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
+    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
         expected = self.describe().scorer
-        sizes = [len(c.encode()) + len(p.encode()) + 16 for c, p in zip(completions, prompts, strict=True)]
+        sizes = [len(c.encode()) + _context_bytes(p) + 16 for c, p in zip(completions, prompts, strict=True)]
         out: list[TextScore] = []
         for start, end in self._chunks(len(completions), sizes):
-            body = self._request(
-                "POST", "/score", {"texts": list(completions[start:end]), "prompts": list(prompts[start:end])}
-            )
+            payload = {"texts": list(completions[start:end]), "prompts": [_wire(p) for p in prompts[start:end]]}
+            body = self._request("POST", "/score", payload)
             self._check_same_model(body["scorer"], expected, "scorer")
             if len(body["results"]) != end - start:
                 raise RewardServiceError(
@@ -349,7 +348,7 @@ class ReplicatedRewardClient:
                     pending.append((piece, tried | {replica.url}))
         return [item for piece in sorted(results) for item in results[piece]]
 
-    def score(self, completions: Sequence[str], prompts: Sequence[str]) -> list[TextScore]:
+    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
         return self._spread(len(completions), lambda r, a, b: r.score(completions[a:b], prompts[a:b]))
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
@@ -367,6 +366,15 @@ def _served(info: ServiceInfo | None) -> str:
 
     refusal = json.dumps(info.refusal, sort_keys=True, default=str)
     return f"scorer {model(info.scorer)}, embedder {model(info.embedder)}, refusal {refusal}"
+
+
+def _wire(context: Context) -> str | list[dict[str, str]]:
+    """A context as JSON sends it: a prompt as is, a conversation as a list of {role, content} objects."""
+    return context if isinstance(context, str) else [{"role": m["role"], "content": m["content"]} for m in context]
+
+
+def _context_bytes(context: Context) -> int:
+    return len(json.dumps(_wire(context), ensure_ascii=False).encode())
 
 
 def _pieces(n: int, parts: int) -> list[tuple[int, int]]:

