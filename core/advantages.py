@@ -68,3 +68,25 @@ def group_advantages(
         reward_std=float(batch_std) if n_valid_total else math.nan,
     )
     return advantages.to(rewards_P_G.dtype if rewards_P_G.is_floating_point() else torch.float32), stats
+
+
+def turn_advantages(
+    returns_P_G_T: torch.Tensor,
+    scale_by_group_std: bool = False,
+    batch_zscore: bool = False,
+    std_floor: float = 1e-2,
+) -> torch.Tensor:
+    """Per-turn advantages [P, G, T] of dialogues (dialogue.rewards=per_turn) from their turns' discounted returns
+    [P, G, T]: turn t of a dialogue is compared with turn t of the other dialogues of its group (the same prompt,
+    the same position in the dialogue), by `group_advantages`. A dialogue without rewards (NaN) gets 0 at every turn.
+
+    >>> turn_advantages(torch.tensor([[[1.0, 0.0], [0.0, 2.0]]])).tolist()
+    [[[0.5, -1.0], [-0.5, 1.0]]]
+    """
+    if returns_P_G_T.dim() != 3:
+        raise ValueError(f"returns must be [prompts, group, turns], got shape {tuple(returns_P_G_T.shape)}")
+    per_turn = [
+        group_advantages(returns_P_G_T[:, :, t], scale_by_group_std, batch_zscore, std_floor)[0]
+        for t in range(returns_P_G_T.shape[2])
+    ]
+    return torch.stack(per_turn, dim=-1)

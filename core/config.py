@@ -353,8 +353,9 @@ class DefenseConfig(_Section):
 class DialogueConfig(_Section):
     """Multi-turn dialogues (docs/dialogues.md): after the policy answers its prompt, an attacker writes the next user
     turn from its own view of the conversation and the policy answers, `turns` exchanges in all. Every prompt is
-    built by appending token ids (core/dialogue.py); the policy is trained on its own turns only, and the reward is
-    the score of its last answer in the dialogue's context."""
+    built by appending token ids (core/dialogue.py); the policy is trained on its own turns only. The judge reads the
+    whole dialogue and scores its last answer; with `rewards: per_turn` each answer is scored in the conversation
+    up to it, and each turn is trained on its own discounted return."""
 
     turns: int = Field(1, ge=1, le=16)
     """Exchanges per dialogue. 1: single-turn (a prompt, an answer), as without this section."""
@@ -367,6 +368,16 @@ class DialogueConfig(_Section):
     turn (its adapter and system prompt), and this is not used."""
     attacker_max_new_tokens: int = Field(24, gt=0)
     """Length limit of an attacker's user turn."""
+    rewards: Literal["terminal", "per_turn"] = "terminal"
+    """`terminal`: one reward per dialogue, that of its last answer in the whole dialogue's light (and the
+    dialogue's repetition, KL, ... terms); every policy token shares its advantage. `per_turn`: answer t earns its
+    own harm term r_t (the whole-dialogue terms count at the last turn), turn t is trained on its discounted
+    return R_t = r_t + discount * R_{t+1}, made group-relative among the group's turns t (docs/dialogues.md)."""
+    discount: float = Field(1.0, ge=0.0, le=1.0)
+    """gamma of the per-turn returns: 1 pays an early answer for every later one, 0 for its own alone."""
+    score_each_turn: bool = False
+    """Also score every earlier answer in the conversation up to it (`scores.parquet: turn_toxicity`), for
+    inspection; `rewards: per_turn` always does. One more scorer call per earlier answer."""
 
 
 class LoggingConfig(_Section):
@@ -500,6 +511,12 @@ class Config(_Section):
                     f"dialogue.turns={self.dialogue.turns} does not work with {setting} (dialogues are sampled "
                     "in-process, and the attacker's later turns are not trained): set dialogue.turns=1 or change it"
                 )
+        if self.dialogue.rewards == "per_turn" and self.training.loss == "gspo":
+            raise ValueError(
+                "dialogue.rewards=per_turn gives each turn its own advantage, and training.loss=gspo takes one ratio "
+                "and one advantage per sequence: use training.loss=ppo_clip or importance_sampling, or "
+                "dialogue.rewards=terminal"
+            )
         return self
 
     @model_validator(mode="after")

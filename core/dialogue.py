@@ -303,16 +303,40 @@ def policy_dialogues(columns: Mapping[str, Sequence[Any]]) -> list[DialogueRow]:
     return dialogues
 
 
+def dialogue_messages(columns: Mapping[str, Sequence[Any]]) -> dict[tuple[str, int], list[dict[str, str]]]:
+    """Each dialogue of a rollouts table's columns (prompt_id, sample_idx, turn, speaker, prompt, completion_text) as
+    chat messages from the policy's side: the prompt, then per turn the attacker's user message (turns 1..) and the
+    policy's answer. The attacker's own first prompt of a defense dialogue is the policy's turn-0 `prompt`, so an
+    attacker row of turn 0 adds nothing."""
+    order = sorted(
+        range(len(columns["turn"])),
+        key=lambda r: (columns["turn"][r], columns["speaker"][r] == POLICY_SPEAKER),  # a turn's attacker first
+    )
+    messages: dict[tuple[str, int], list[dict[str, str]]] = {}
+    for r in order:
+        turn, speaker = columns["turn"][r], columns["speaker"][r]
+        dialogue = messages.setdefault((columns["prompt_id"][r], int(columns["sample_idx"][r])), [])
+        if speaker == POLICY_SPEAKER:
+            if turn == 0:
+                dialogue.append({"role": "user", "content": columns["prompt"][r]})
+            dialogue.append({"role": "assistant", "content": columns["completion_text"][r]})
+        elif turn > 0:
+            dialogue.append({"role": "user", "content": columns["completion_text"][r]})
+    return messages
+
+
 @dataclass(frozen=True)
 class PolicyRows:
     """The rows of a rollouts table that are scored and trained: `columns` holds one row each (a single-turn table's
     own rows; of dialogues, the policy's last turn of each), `spans` the policy's turns in each row's prompt +
-    completion (None: the completion), `logprobs` their sampled logprobs and `own_ids` their tokens."""
+    completion (None: the completion), `logprobs` their sampled logprobs, `own_ids` their tokens and `messages`
+    each dialogue as chat messages ending with its last answer (None: single turn)."""
 
     columns: dict[str, list[Any]]
     spans: list[list[tuple[int, int]]] | None
     logprobs: list[list[float]]
     own_ids: list[list[int]]
+    messages: list[list[dict[str, str]]] | None = None
 
 
 def policy_rows(columns: Mapping[str, Sequence[Any]]) -> PolicyRows:
@@ -326,9 +350,11 @@ def policy_rows(columns: Mapping[str, Sequence[Any]]) -> PolicyRows:
             list(columns["completion_token_ids"]),
         )
     dialogues = policy_dialogues(columns)
+    messages = dialogue_messages(columns)
     return PolicyRows(
         {name: [values[d.last] for d in dialogues] for name, values in columns.items()},
         [d.spans for d in dialogues],
         [d.logprobs for d in dialogues],
         [d.own_ids for d in dialogues],
+        [messages[(d.prompt_id, d.sample_idx)] for d in dialogues],
     )

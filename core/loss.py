@@ -8,7 +8,8 @@ Every loss has the signature `(logprobs_B_C, old_logprobs_B_C, advantages_B, wei
   the logprobs the sampler recorded when it drew y_t (never recomputed later), so on the first update after
   sampling r_t = 1 and the gradient is the plain policy gradient A * grad log pi. With truncated importance
   sampling they are the trainer's own logprobs at the sampling weights (see `truncated_is_weights`).
-- `advantages_B`: one group-relative advantage per sequence (GRPO, Shao et al. 2024).
+- `advantages_B`: one group-relative advantage per sequence (GRPO, Shao et al. 2024); or [B, C], one per token
+  (dialogues with per-turn rewards: each turn's tokens carry that turn's advantage). GSPO takes the first only.
 - `weights_B_C`: per-token constants that carry the normalisation (`token_weights`) and, when on, the
   truncated importance-sampling factor. They sum over the *whole* batch, and each loss is a weighted *sum*
   over the micro-batch, so the gradient accumulated over micro-batches is exactly that of the whole batch.
@@ -185,11 +186,20 @@ def _weighted_loss(objective_B_C: torch.Tensor, weights_B_C: torch.Tensor, mask_
     return -(torch.where(mask_B_C, objective_B_C, torch.zeros_like(objective_B_C)) * weights_B_C).sum()
 
 
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages that broadcast over [B, C]: [B] (one per sequence) as [B, 1]; [B, C] (one per token) as is."""
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(-1)
+    if advantages.dim() == 2:
+        return advantages
+    raise ValueError(f"advantages must be [B] or [B, C], got shape {tuple(advantages.shape)}")
+
+
 def _clipped_surrogate(
     ratio_B_C: torch.Tensor, advantages_B: torch.Tensor, epsilon_low: float, epsilon_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and where the clipped term won (no gradient there)."""
-    adv_B_1 = advantages_B.unsqueeze(-1)
+    adv_B_1 = _per_token(advantages_B)
     unclipped_B_C = ratio_B_C * adv_B_1
     clipped_B_C = ratio_B_C.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * adv_B_1
     return torch.minimum(unclipped_B_C, clipped_B_C), clipped_B_C < unclipped_B_C
@@ -207,7 +217,7 @@ def importance_sampling_loss(
     On-policy (r = 1) its gradient is REINFORCE with a group baseline (Williams 1992; Shao et al. 2024).
     """
     log_ratio_B_C = _log_ratio(logprobs_B_C, old_logprobs_B_C, mask_B_C)
-    objective_B_C = torch.exp(log_ratio_B_C) * advantages_B.unsqueeze(-1)
+    objective_B_C = torch.exp(log_ratio_B_C) * _per_token(advantages_B)
     loss = _weighted_loss(objective_B_C, weights_B_C, mask_B_C)
     return loss, _stats(log_ratio_B_C, mask_B_C, torch.zeros_like(mask_B_C))
 
@@ -249,6 +259,8 @@ def gspo_loss(
     gradient, where not clipped, is -sum_i (sum_t w_t) s_i A_i mean_t grad log pi(y_t) (the paper's eq. 10).
     Paper ranges: 3e-4 / 4e-4 (section 5.1); with `sequence` normalisation the weighting is the paper's.
     """
+    if advantages_B.dim() != 1:
+        raise ValueError("GSPO takes one advantage per sequence: per-token advantages (per-turn rewards) do not apply")
     log_ratio_B_C = _log_ratio(logprobs_B_C, old_logprobs_B_C, mask_B_C)
     lengths_B_1 = mask_B_C.sum(-1, keepdim=True).clamp(min=1)
     log_ratio_B_1 = log_ratio_B_C.sum(-1, keepdim=True) / lengths_B_1  # padding holds 0: a masked mean

@@ -62,6 +62,9 @@ class TrainBatch:
     # prompt and the turn) and its trained tokens are those of spans[i], the speaker's own turns, with one sampling
     # logprob each. None: each row trains its completion (one span).
     spans: Sequence[Sequence[tuple[int, int]]] | None = None
+    # dialogue.rewards=per_turn: row i's advantage per span (turn), given to that span's tokens; None: `advantages[i]`
+    # for every trained token of row i
+    turn_advantages: Sequence[Sequence[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -71,6 +74,14 @@ class TrainBatch:
                 f"prompt_ids, completion_ids, sample_logprobs, advantages, group_ids (and spans) differ in length: "
                 f"{n}, " + ", ".join(map(str, lengths))
             )
+        if self.turn_advantages is not None:
+            if len(self.turn_advantages) != n:
+                raise ValueError(f"{len(self.turn_advantages)} rows of turn advantages for {n} rows")
+            for i, per_turn in enumerate(self.turn_advantages):
+                if len(per_turn) != len(self.row_spans(i)):
+                    raise ValueError(
+                        f"row {i}: {len(per_turn)} turn advantages for {len(self.row_spans(i))} trained turns (spans)"
+                    )
         for i, lps in enumerate(self.sample_logprobs):
             spans = self.row_spans(i)
             if sum(end - start for start, end in spans) != len(lps):
@@ -88,6 +99,21 @@ class TrainBatch:
 
     def trained_tokens(self, i: int) -> int:
         return sum(end - start for start, end in self.row_spans(i))
+
+    def token_advantages(self, i: int) -> list[float]:
+        """Row i's advantage of each trained token, in the order of its spans (that of its sampling logprobs)."""
+        spans = self.row_spans(i)
+        if self.turn_advantages is None:
+            return [float(self.advantages[i])] * sum(end - start for start, end in spans)
+        return [
+            float(a) for (start, end), a in zip(spans, self.turn_advantages[i], strict=True) for _ in range(end - start)
+        ]
+
+    def informative(self, i: int) -> bool:
+        """Row i carries a gradient: a non-zero advantage on some turn."""
+        if self.turn_advantages is None:
+            return self.advantages[i] != 0.0
+        return any(a != 0.0 for a in self.turn_advantages[i])
 
     @property
     def max_trained_tokens(self) -> int | None:
@@ -190,7 +216,7 @@ def policy_gradient_step(
     n_dropped_groups = 0
     if cfg.dynamic_sampling:
         kept, n_dropped_groups = informative_rows(
-            [batch.group_ids[i] for i in rows], [batch.advantages[i] for i in rows]
+            [batch.group_ids[i] for i in rows], [float(batch.informative(i)) for i in rows]
         )
         rows = [rows[k] for k in kept]
     n_tokens = sum(batch.trained_tokens(i) for i in rows)
@@ -225,9 +251,14 @@ def policy_gradient_step(
                 logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
                 logprobs_B_C = token_logprobs(logprobs_B_C_V, ids_B_C)
                 sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in mb_rows], ids_B_C.shape[1]).to(policy.device)
-                advantages_B = torch.tensor(
-                    [batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device
-                )
+                if batch.turn_advantages is None:
+                    advantages_B = torch.tensor(
+                        [batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device
+                    )
+                else:  # per-turn: [B, C], each trained token its turn's advantage (padding: 0, masked anyway)
+                    advantages_B = pad_ragged([batch.token_advantages(i) for i in mb_rows], ids_B_C.shape[1], 0.0).to(
+                        policy.device
+                    )
                 weights_B_C = token_weights(
                     mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens
                 ).to(policy.device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
+from redteam_grpo.core.dialogue import dialogue_messages
 from redteam_grpo.core.metrics import SUMMARY, shown_in
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.location import is_remote
@@ -67,18 +68,13 @@ def conversations(con: duckdb.DuckDBPyConnection, examples: pd.DataFrame) -> lis
         return []
     turns = con.execute(
         "select iteration, prompt_id, sample_idx, turn, speaker, prompt, completion_text from rollouts "
-        "where speaker = 'policy' or turn > 0 order by iteration, prompt_id, sample_idx, turn, speaker = 'policy'"
+        "where iteration in (select unnest(?))",
+        [sorted({int(i) for i in examples["iteration"]})],
     ).df()
-    messages: dict[tuple[int, str, int], list[dict[str, str]]] = {}
-    for row in turns.itertuples(index=False):
-        dialogue = messages.setdefault((row.iteration, row.prompt_id, row.sample_idx), [])
-        if row.speaker == "policy":
-            if row.turn == 0:
-                dialogue.append({"role": "user", "content": row.prompt})
-            dialogue.append({"role": "assistant", "content": row.completion_text})
-        else:
-            dialogue.append({"role": "user", "content": row.completion_text})
-    return [messages[(e.iteration, e.prompt_id, e.sample_idx)] for e in examples.itertuples(index=False)]
+    by_iteration = {
+        int(iteration): dialogue_messages(rows.to_dict("list")) for iteration, rows in turns.groupby("iteration")
+    }
+    return [by_iteration[int(e.iteration)][(e.prompt_id, int(e.sample_idx))] for e in examples.itertuples(index=False)]
 
 
 def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None = None) -> pd.DataFrame:

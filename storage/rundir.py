@@ -45,8 +45,9 @@ from redteam_grpo.storage.stages import (
 )
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 6
+RUN_FORMAT = 7
 FORMAT_CHANGES = {
+    6: "scores.parquet gained turn_toxicity and turn_rewards, advantages.parquet turn_advantages (dialogue.rewards)",
     5: "rollouts.parquet and attacks.parquet gained turn and speaker (dialogue.turns: one row per sampled message)",
     4: ("scores.parquet gained scorer_truncated, the sample and score stages may be split into parts (runtime.shards)"),
     3: (

@@ -64,6 +64,10 @@ SCORES = pa.schema(
         # mean per-token entropy of the policy there; NaN when not computed (reward.entropy_weight 0)
         pa.field("entropy", pa.float64(), nullable=False),
         pa.field("reward", pa.float64(), nullable=True),  # null when toxicity is null
+        # dialogues: each policy answer's harm in the conversation up to it (the last is `toxicity`) and, with
+        # dialogue.rewards=per_turn, each turn's reward; null for single-turn rows and when not computed
+        pa.field("turn_toxicity", pa.list_(pa.float64()), nullable=True),
+        pa.field("turn_rewards", pa.list_(pa.float64()), nullable=True),
     ]
 )
 
@@ -72,6 +76,8 @@ ADVANTAGES = pa.schema(
         *KEY_FIELDS,
         pa.field("reward", pa.float64(), nullable=True),
         pa.field("advantage", pa.float64(), nullable=False),
+        # dialogue.rewards=per_turn: the advantage of each policy turn, for the tokens of that turn; null otherwise
+        pa.field("turn_advantages", pa.list_(pa.float64()), nullable=True),
     ]
 )
 

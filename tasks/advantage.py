@@ -6,7 +6,9 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.advantages import group_advantages
+from redteam_grpo.core.advantages import group_advantages, turn_advantages
+from redteam_grpo.core.config import Config
+from redteam_grpo.core.rewards import discounted_returns
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ADVANTAGE, ATTACKER_LEARNER, POLICY, Learner
 from redteam_grpo.tasks.common import run_table_stage
@@ -28,6 +30,28 @@ def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str
     order = list(groups)
     rewards = torch.tensor([[groups[p][g] for g in range(group_size)] for p in order], dtype=torch.float64)
     return order, rewards
+
+
+def per_turn_advantages(scores: dict[str, list], order: list[str], group_size: int, cfg: Config) -> list[list[float]]:
+    """dialogue.rewards=per_turn: each dialogue's advantage per policy turn, in the scores' row order. Turn t's
+    return R_t = r_t + discount * R_{t+1} is compared with the returns of turn t of the prompt's other dialogues
+    (`core/advantages.py: turn_advantages`)."""
+    lengths = {len(r) for r in scores["turn_rewards"] if r is not None}
+    if None in scores["turn_rewards"] or len(lengths) != 1:
+        raise ValueError(
+            "dialogue.rewards=per_turn needs the per-turn rewards of every dialogue, all of the same number of turns; "
+            f"the scores hold turn_rewards of lengths {sorted(lengths)} and "
+            f"{sum(r is None for r in scores['turn_rewards'])} rows without: rescore this iteration (--redo I/score)"
+        )
+    (turns,) = lengths
+    row_of = {p: i for i, p in enumerate(order)}
+    returns = torch.full((len(order), group_size, turns), float("nan"), dtype=torch.float64)
+    for pid, g, rewards in zip(scores["prompt_id"], scores["sample_idx"], scores["turn_rewards"], strict=True):
+        if all(r is not None for r in rewards):
+            returns[row_of[pid], g] = torch.tensor(discounted_returns(rewards, cfg.dialogue.discount))
+    t = cfg.training
+    advantages = turn_advantages(returns, t.scale_by_group_std, t.batch_zscore, t.std_floor)
+    return [advantages[row_of[p], g].tolist() for p, g in zip(scores["prompt_id"], scores["sample_idx"], strict=True)]
 
 
 @task(name=ADVANTAGE.name, cache_policy=NO_CACHE)
@@ -61,14 +85,21 @@ def group_advantage_stage(run_dir: str, iteration: int, learner: Learner) -> str
                 len(order),
             )
         row_of = {p: i for i, p in enumerate(order)}
-        advantage = [
-            float(advantages_P_G[row_of[p], g]) for p, g in zip(scores["prompt_id"], scores["sample_idx"], strict=True)
-        ]
+        keys = list(zip(scores["prompt_id"], scores["sample_idx"], strict=True))
+        advantage = [float(advantages_P_G[row_of[p], g]) for p, g in keys]
+        per_turn: list[list[float] | None] = [None] * len(keys)
+        if (
+            learner is POLICY
+            and cfg.dialogue.rewards == "per_turn"
+            and any(r is not None for r in scores["turn_rewards"])
+        ):
+            per_turn = per_turn_advantages(scores, order, group_size, cfg)
         table = schemas.to_table(
             {
                 **{k: scores[k] for k in schemas.KEY_COLUMNS},
                 "reward": scores["reward"],
                 "advantage": advantage,
+                "turn_advantages": per_turn,
             },
             schemas.ADVANTAGES,
             "advantages",

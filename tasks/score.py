@@ -20,8 +20,17 @@ from redteam_grpo.core.kl import policy_entropy_reference_logprobs, reference_lo
 from redteam_grpo.core.logprobs import masked_mean, pad_ragged
 from redteam_grpo.core.novelty import novelty_scores
 from redteam_grpo.core.policy import Policy
-from redteam_grpo.core.rewards import RewardTerms, ScoreStats, composite_reward, repetition_ratios, score_stats
+from redteam_grpo.core.rewards import (
+    RewardTerms,
+    ScoreStats,
+    composite_reward,
+    discounted_returns,
+    repetition_ratios,
+    score_stats,
+    turn_rewards,
+)
 from redteam_grpo.core.scorers import ModelInfo
+from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
@@ -103,8 +112,11 @@ def scores_table(
     terms: PolicyTerms,
     reward: list[float],
     what: str,
+    turn_toxicity: list[list[float | None]] | None = None,
+    turn_rewards: list[list[float]] | None = None,
 ) -> pa.Table:
-    """A table of the SCORES schema (completions' scores, or self-play's attacker prompts'); NaN rewards are null."""
+    """A table of the SCORES schema (completions' scores, or self-play's attacker prompts'); NaN rewards are null.
+    `turn_toxicity` and `turn_rewards`: dialogues' per-turn columns, null when not given."""
     n = len(harm)
     return schemas.to_table(
         {
@@ -124,10 +136,31 @@ def scores_table(
             "kl": terms.kl,
             "entropy": terms.entropy,
             "reward": [x if math.isfinite(x) else None for x in reward],
+            "turn_toxicity": turn_toxicity if turn_toxicity is not None else [None] * n,
+            "turn_rewards": (
+                [[x if math.isfinite(x) else None for x in row] for row in turn_rewards]
+                if turn_rewards is not None
+                else [None] * n
+            ),
         },
         schemas.SCORES,
         what,
     )
+
+
+def earlier_answers_scored(
+    scoring: ScoringBackend, messages: list[list[dict[str, str]]], last: list[float | None]
+) -> list[list[float | None]]:
+    """Each dialogue's harm per policy answer, each scored in the conversation up to it (one scorer call for all the
+    earlier answers); the last answer's is `last`, its score in the whole dialogue."""
+    asked = [(d, k) for d, dialogue in enumerate(messages) for k in range(1, len(dialogue) - 1, 2)]
+    scored = scoring.score([messages[d][k]["content"] for d, k in asked], [messages[d][:k] for d, k in asked])
+    if len(scored) != len(asked):
+        raise RuntimeError(f"the scorer returned {len(scored)} scores for {len(asked)} earlier answers")
+    per_dialogue: list[list[float | None]] = [[] for _ in messages]
+    for (d, _), s in zip(asked, scored, strict=True):
+        per_dialogue[d].append(s.score if s.score is not None and math.isfinite(s.score) else None)
+    return [[*earlier, final] for earlier, final in zip(per_dialogue, last, strict=True)]
 
 
 def scores_stats(table: pa.Table) -> ScoreStats:
@@ -144,18 +177,24 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
     cfg = res.config
     r = cfg.reward
     shards = cfg.runtime.shards
-    # dialogues: one row each, whose last answer is scored in the context of the user turn it answers; the
+    # dialogues: one row each, whose last answer the judge reads in the light of the whole dialogue; the
     # repetition and KL terms are over every turn the policy wrote (the spans of its last prompt + completion)
     scored_rows = policy_rows(res.run.read_part(SAMPLE, iteration, shard, shards).to_pydict())
     rollouts, spans, own_ids = scored_rows.columns, scored_rows.spans, scored_rows.own_ids
     prompt_ids, completion_ids = rollouts["prompt_token_ids"], rollouts["completion_token_ids"]
     texts = rollouts["completion_text"]
+    messages = scored_rows.messages
     scoring = res.scoring
     info = scoring.describe().scorer
-    scored = scoring.score(texts, rollouts["prompt"])
+    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages])
     if len(scored) != len(texts):
         raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
     toxicity = [s.score if s.score is not None and math.isfinite(s.score) else None for s in scored]
+    dialogue = cfg.dialogue
+    per_turn = messages is not None and dialogue.rewards == "per_turn"
+    turn_toxicity = None
+    if messages is not None and (per_turn or dialogue.score_each_turn):
+        turn_toxicity = earlier_answers_scored(scoring, messages, toxicity)
     repetition = repetition_ratios(own_ids, r.repetition_ngram)
 
     n = len(texts)
@@ -186,6 +225,13 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
             toxicity, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True
         )
     ]
+    turn_reward_lists = None
+    if per_turn:
+        turn_reward_lists = [
+            turn_rewards(harm, terminal, weights) for harm, terminal in zip(turn_toxicity, reward, strict=True)
+        ]
+        # the dialogue's reward is its return from the first turn: what the per-turn policy is trained to raise
+        reward = [discounted_returns(rewards, dialogue.discount)[0] for rewards in turn_reward_lists]
     categories = [list(s.categories) for s in scored]
     truncated = [bool(s.truncated) for s in scored]
     table = scores_table(
@@ -201,6 +247,8 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
         terms,
         reward,
         "scores",
+        turn_toxicity,
+        turn_reward_lists,
     )
     path = res.run.write(SCORE, iteration, table, res.run.part_path(SCORE, iteration, shard, shards))
     return str(path), table.num_rows

@@ -66,6 +66,11 @@ def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: i
         group_ids=rollouts["prompt_id"],
         max_new_tokens=max_new_tokens,
         spans=trained.spans,
+        turn_advantages=(
+            [advantages["turn_advantages"][i] for i in rows]
+            if any(a is not None for a in advantages["turn_advantages"])
+            else None
+        ),
     )
 
 

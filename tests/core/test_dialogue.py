@@ -310,3 +310,52 @@ def test_a_step_on_dialogue_rows_trains_each_speakers_own_turns_with_a_first_rat
             batch.group_ids,
             spans=batch.spans,
         )
+
+
+def test_per_turn_advantages_weigh_each_turns_tokens_by_that_turns_advantage(tiny_policy):
+    """dialogue.rewards=per_turn: the tokens of turn t carry turn t's advantage. At ratio 1 the importance-sampling
+    loss is -sum_t A_turn(t) / n_tokens over the trained tokens, so an advantage given to another turn's tokens
+    (turns of different lengths) changes it."""
+    from redteam_grpo.core.config import TrainingConfig
+    from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+
+    policy = tiny_policy
+    tok = policy.tokenizer
+    glue = TurnGlue.from_tokenizer(tok, policy.end_of_turn_ids)
+    texts = [("No.", "I will not say that, not today.", "Fine: here is a much longer answer than both of the others.")]
+    texts.append(("Sure, what is it you want to know?", "Hm.", "Ok."))
+    rows = []
+    for own_texts in texts:
+        own = [[*_encode(tok, text), glue.closing_id] for text in own_texts]
+        replies = [_encode(tok, "Go on."), _encode(tok, "Please tell me more.")]
+        rows.append(speaker_row(_dialogue(glue, format_prompt_ids(tok, "Hi", SYSTEM), own, replies)))
+    with torch.no_grad():  # the trainer's own logprobs as the sampler's: the ratio is exactly 1
+        logits, ids, mask = span_logits(policy, [seq for seq, _, _ in rows], [spans for _, spans, _ in rows])
+        own_lps = token_logprobs(policy.distribution.logprobs(logits), ids)
+    logprobs = [own_lps[b][mask[b]].tolist() for b in range(len(rows))]
+    per_turn = [[1.0, 0.0, -0.5], [0.0, 2.0, 0.25]]
+    batch = TrainBatch(
+        prompt_ids=[seq[: spans[-1][0]] for seq, spans, _ in rows],
+        completion_ids=[seq[spans[-1][0] :] for seq, spans, _ in rows],
+        sample_logprobs=logprobs,
+        advantages=[0.0, 0.0],  # the first turn's: every token takes its own turn's instead
+        group_ids=["a", "a"],
+        max_new_tokens=32,
+        spans=[spans for _, spans, _ in rows],
+        turn_advantages=per_turn,
+    )
+    lengths = [[end - start for start, end in spans] for _, spans, _ in rows]
+    n_tokens = sum(map(sum, lengths))
+
+    def loss_of(advantages):
+        return -sum(n * a for row, adv in zip(lengths, advantages, strict=True) for n, a in zip(row, adv, strict=True))
+
+    expected = loss_of(per_turn)
+    assert expected != pytest.approx(loss_of([adv[::-1] for adv in per_turn]))  # turns of different lengths
+    cfg = TrainingConfig(dynamic_sampling=True)  # rows whose first-turn advantage is 0 still carry a gradient
+    stats = policy_gradient_step(policy, make_optimizer(policy, cfg), batch, cfg)
+    assert stats.n_sequences == 2 and stats.n_tokens == n_tokens
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-6)
+    assert stats.loss == pytest.approx(expected / n_tokens, rel=1e-5)
+    with pytest.raises(ValueError, match=r"row 1: 2 turn advantages for 3 trained turns"):
+        TrainBatch(**{**batch.__dict__, "turn_advantages": [per_turn[0], per_turn[1][:2]]})

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import html
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from redteam_grpo.cli.report import write_report
 from redteam_grpo.core.config import load_config
-from redteam_grpo.core.dialogue import policy_dialogues
+from redteam_grpo.core.dialogue import dialogue_messages, policy_dialogues
+from redteam_grpo.core.scorers import SequenceClassifierScorer, build_scorer
 from redteam_grpo.flows import attack, defense
 from redteam_grpo.storage import query
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ATTACK, SAMPLE, SCORE, TRAIN_STEP
+from redteam_grpo.storage.stages import ADVANTAGE, ATTACK, SAMPLE, SCORE, TRAIN_STEP
 from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
@@ -46,6 +49,7 @@ def _check_dialogues(rollouts: pd.DataFrame, first_prompt_ids: dict[str, list[in
 
 def test_a_three_turn_attack_iteration_stores_every_message_and_trains_the_policys_turns(tmp_path):
     settings = [*SMALL_RUN, "run.iterations=1", f"dialogue.turns={TURNS}", "runtime.shards=2"]
+    settings.append("dialogue.score_each_turn=true")  # terminal rewards, every answer scored for inspection
     cfg = load_config(None, [*settings, f"run.runs_dir={tmp_path}", "run.run_id=d"])
     attack.attack_run(config=cfg.model_dump(mode="json"))
     run = RunDir.open(tmp_path / "d")
@@ -56,6 +60,9 @@ def test_a_three_turn_attack_iteration_stores_every_message_and_trains_the_polic
     assert len(dialogues) == 3 * 4
     scores = run.read(SCORE, 0).to_pandas()
     assert len(scores) == 3 * 4 and not scores.duplicated(["prompt_id", "sample_idx"]).any()
+    assert (scores.turn_toxicity.map(len) == TURNS).all() and scores.turn_rewards.isna().all()
+    assert (scores.turn_toxicity.map(lambda t: t[-1]) == scores.toxicity).all()
+    assert run.read(ADVANTAGE, 0).to_pandas().turn_advantages.isna().all()  # terminal: one advantage per dialogue
     # the KL term is over every token the policy wrote, and only those
     own = {(d.prompt_id, d.sample_idx): len(d.own_ids) for d in dialogues}
     assert all(
@@ -110,6 +117,57 @@ def test_a_three_turn_defense_iteration_lets_the_attacker_continue_its_first_tur
     rollouts = run.read(SAMPLE, 0).to_pandas()
     _check_dialogues(rollouts, closing)
     assert run.read(TRAIN_STEP, 0).to_pylist()[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    # the judge read each dialogue whole: its score is that of the last answer after the whole conversation, which
+    # differs from the score of the last exchange alone
+    judge = build_scorer(cfg.reward.scorer, "judge", "", torch.device("cpu"), 8, cfg.reward.max_length)
+    messages = dialogue_messages(rollouts.to_dict("list"))
+    scores = run.read(SCORE, 0).to_pandas()
+    dialogues = [messages[(p, s)] for p, s in zip(scores.prompt_id, scores.sample_idx, strict=True)]
+    whole = judge([m[-1]["content"] for m in dialogues], [m[:-1] for m in dialogues])
+    last_exchange = judge([m[-1]["content"] for m in dialogues], [m[-2]["content"] for m in dialogues])
+    assert scores.toxicity.tolist() == pytest.approx([s.score for s in whole], abs=1e-5)
+    assert scores.toxicity.tolist() != pytest.approx([s.score for s in last_exchange], abs=1e-5)
+
+
+def test_per_turn_rewards_train_each_turn_on_its_discounted_return(tmp_path):
+    discount = 0.5
+    settings = [*SMALL_RUN, "run.iterations=1", f"dialogue.turns={TURNS}", "dialogue.rewards=per_turn"]
+    settings += [f"dialogue.discount={discount}", f"run.runs_dir={tmp_path}", "run.run_id=d"]
+    attack.attack_run(config=load_config(None, settings).model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "d")
+    rollouts = run.read(SAMPLE, 0).to_pandas()
+    scores = run.read(SCORE, 0).to_pandas().sort_values(["prompt_id", "sample_idx"])
+    # each answer is scored in the conversation up to it (the classifier reads the answer alone)
+    messages = dialogue_messages(rollouts.to_dict("list"))
+    classifier = SequenceClassifierScorer("embedded:tiny-toxicity", "toxic", torch.device("cpu"))
+    for row in scores.itertuples(index=False):
+        answers = [m["content"] for m in messages[(row.prompt_id, row.sample_idx)][1::2]]
+        assert list(row.turn_toxicity) == pytest.approx([s.score for s in classifier(answers)], abs=1e-5)
+        assert row.turn_toxicity[-1] == row.toxicity
+        # earlier answers earn their harm; the last the dialogue's composite reward; the dialogue's reward is R_0
+        assert list(row.turn_rewards[:-1]) == pytest.approx(list(row.turn_toxicity[:-1]))
+        terminal = row.toxicity - 0.3 * row.repetition_ratio - 0.1 * row.kl
+        assert row.turn_rewards[-1] == pytest.approx(terminal, abs=1e-9)
+        r = list(row.turn_rewards)
+        assert row.reward == pytest.approx(r[0] + discount * r[1] + discount**2 * r[2])
+    # turn t's advantage: its return, z-scored over the batch's turns t (training.batch_zscore), minus the mean of
+    # the group's turns t
+    advantages = run.read(ADVANTAGE, 0).to_pandas().merge(scores[["prompt_id", "sample_idx", "turn_rewards"]])
+    returns = np.array(
+        [
+            [sum(discount ** (k - t) * r[k] for k in range(t, TURNS)) for t in range(TURNS)]
+            for r in advantages.turn_rewards
+        ]
+    )
+    z = (returns - returns.mean(axis=0)) / returns.std(axis=0, ddof=1)
+    got = np.array(advantages.turn_advantages.tolist())
+    for prompt_id in set(advantages.prompt_id):
+        rows = (advantages.prompt_id == prompt_id).to_numpy()
+        np.testing.assert_allclose(got[rows], z[rows] - z[rows].mean(axis=0), atol=1e-6)
+    np.testing.assert_allclose(advantages.advantage, got[:, 0], atol=1e-6)
+    metrics = run.read(TRAIN_STEP, 0).to_pylist()[0]
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["n_tokens"] == sum(len(d.own_ids) for d in policy_dialogues(rollouts.to_dict("list")))
 
 
 def test_settings_dialogues_do_not_support_are_refused_naming_them():
@@ -118,5 +176,7 @@ def test_settings_dialogues_do_not_support_are_refused_naming_them():
             None,
             ["dialogue.turns=2", "sampling.backend=vllm", "sampling.vllm_url=http://x", "training.truncated_is_cap=2"],
         )
+    with pytest.raises(ValueError, match=r"dialogue\.rewards=per_turn .* training\.loss=gspo"):
+        load_config(None, ["dialogue.turns=2", "dialogue.rewards=per_turn", "training.loss=gspo"])
     with pytest.raises(ValueError, match=r"dialogue\.turns=3 does not work with defense\.self_play"):
         load_config(None, ["dialogue.turns=3", "defense.self_play=true", "defense.prompts_per_goal=2"], mode="defense")

@@ -25,6 +25,7 @@ def _advantages(iteration: int) -> pa.Table:
             "sample_idx": [0],
             "reward": [0.5],
             "advantage": [0.0],
+            "turn_advantages": [None],
         },
         schemas.ADVANTAGES,
         "advantages",

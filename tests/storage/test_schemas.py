@@ -15,6 +15,7 @@ def _advantages(**overrides):
         "sample_idx": [0],
         "reward": [0.5],
         "advantage": [0.1],
+        "turn_advantages": [None],
     }
     rows.update(overrides)
     return rows
@@ -30,7 +31,7 @@ def test_round_trip(tmp_path):
 def test_renamed_column_is_named_not_silently_zero(tmp_path):
     # Bug class renamed-column-reads-as-zeros (docs/bug-classes.md): `log_probs` read, `old_log_probs` written.
     table = schemas.to_table(_advantages(), schemas.ADVANTAGES, "advantages").rename_columns(
-        ["run_id", "iteration", "prompt_id", "sample_idx", "reward", "old_advantage"]
+        ["run_id", "iteration", "prompt_id", "sample_idx", "reward", "old_advantage", "turn_advantages"]
     )
     path = tmp_path / "a.parquet"
     pq.write_table(table, path)
