@@ -366,6 +366,27 @@ BUG_CLASSES = [
         "    spans = [(len(turns[0].prompt_ids), len(sequence))]",
         "tests/core/test_dialogue.py::test_a_speaker_is_trained_on_its_own_turns_and_never_on_the_other_speakers tests/core/test_dialogue.py::test_the_first_update_ratio_is_one_on_every_trained_token_of_a_three_turn_dialogue",
     ),
+    (
+        "dialogue-judged-on-last-exchange-only",
+        "tasks/score.py",
+        '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages])',
+        '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[-2]["content"] for m in messages])',
+        "tests/flows/test_dialogues.py::test_a_three_turn_defense_iteration_lets_the_attacker_continue_its_first_turn",
+    ),
+    (
+        "dialogue-turn-advantage-on-another-turn",
+        "core/train.py",
+        "float(a) for (start, end), a in zip(spans, self.turn_advantages[i], strict=True) for _ in range(end - start)",
+        "float(a) for (start, end), a in zip(spans, self.turn_advantages[i][::-1], strict=True) for _ in range(end - start)",
+        "tests/core/test_dialogue.py::test_per_turn_advantages_weigh_each_turns_tokens_by_that_turns_advantage",
+    ),
+    (
+        "dialogue-turn-return-runs-forward",
+        "core/rewards.py",
+        "    for t in reversed(range(len(rewards))):",
+        "    for t in range(len(rewards)):",
+        "tests/flows/test_dialogues.py::test_per_turn_rewards_train_each_turn_on_its_discounted_return",
+    ),
 ]
 
 
