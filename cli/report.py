@@ -69,13 +69,18 @@ def evaluation_html(run: RunDir) -> str:
     return f'<p>{name}</p><table id="evaluation"><tr><th>metric</th>{header}</tr>\n{body}</table>'
 
 
-def dialogue_html(messages) -> str:
-    """A dialogue turn by turn: who said what, in order."""
-    turns = "".join(
-        f'<li class="{html.escape(m["role"])}"><b>{html.escape(m["role"])}</b>: {html.escape(m["content"])}</li>'
-        for m in messages
-    )
-    return f'<ol class="dialogue">{turns}</ol>'
+def dialogue_html(messages, answer_scores=None) -> str:
+    """A dialogue turn by turn: who said what, in order; with `answer_scores` (scores.parquet: turn_toxicity), each
+    answer's harm score in the conversation up to it."""
+    known = answer_scores is not None and not isinstance(answer_scores, float)  # a null cell may read as NaN
+    scores = iter(list(answer_scores) if known else [])
+    turns = []
+    for m in messages:
+        score = next(scores, None) if m["role"] == "assistant" else None
+        shown = f' <span class="score">({_fmt(float(score))})</span>' if score is not None else ""
+        role = html.escape(m["role"])
+        turns.append(f'<li class="{role}"><b>{role}</b>: {html.escape(m["content"])}{shown}</li>')
+    return f'<ol class="dialogue">{"".join(turns)}</ol>'
 
 
 def render_report(run: RunDir, top_k: int = 20) -> str:
@@ -94,7 +99,7 @@ def render_report(run: RunDir, top_k: int = 20) -> str:
 
     def cell(row, column: str) -> str:
         if column == "dialogue":
-            return dialogue_html(row["messages"])
+            return dialogue_html(row["messages"], row.get("turn_toxicity"))
         return html.escape(_fmt(row[column]))
 
     rows = "\n".join(

@@ -86,7 +86,7 @@ def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None 
         df = con.execute(
             """
             select r.run_id, r.iteration, r.prompt_id, r.sample_idx, r.prompt, r.completion_text as completion,
-                   s.toxicity, s.reward, s.refusal, s.categories, s.novelty, r.finish_reason,
+                   s.toxicity, s.turn_toxicity, s.reward, s.refusal, s.categories, s.novelty, r.finish_reason,
                    r.policy_version,
                    s.scorer_name, s.scorer_revision, s.scorer_kind
             from (

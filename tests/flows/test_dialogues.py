@@ -81,6 +81,7 @@ def test_a_three_turn_attack_iteration_stores_every_message_and_trains_the_polic
     assert report.count('<ol class="dialogue">') == len(examples)
     first = examples.messages.iloc[0]
     assert report.count("<li class=") == 2 * TURNS * len(examples)
+    assert report.count('<span class="score">') == TURNS * len(examples)  # dialogue.score_each_turn
     assert html.escape(first[2]["content"]) in report  # the attacker's first user turn
 
 
