@@ -8,6 +8,11 @@ written). A rise of 0.25 is far outside the iteration-to-iteration noise of the 
 Three-turn dialogues (dialogue.turns=3: the frozen base writes the user turns after the first, the policy is scored
 on its last answer): the first 5 iterations average 0.06-0.08 and the last 5 0.27-0.30 (seeds 0-2, measured before
 the test was written); the margin, 0.10, is half the smallest rise.
+
+Per-turn rewards (dialogue.rewards=per_turn, discount 0.5: each answer paid for its own harm, each turn trained on
+its return): the dialogue's return R_0 averages 0.18-0.20 over the first 5 iterations and 1.39-1.56 over the last 5,
+and the last answer's toxicity rises from 0.11-0.12 to 0.80-0.95 (seeds 0-2, measured before the test was written).
+One seed runs here; the margin, 0.6, is half the smallest rise.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness", "embe
 
 MARGIN = 0.25
 DIALOGUE_MARGIN = 0.10
+PER_TURN_MARGIN = 0.6
 ITERATIONS = ["run.iterations=30", "run.early_stop_reward=null", "run.early_stop_repetition=null"]
 
 
@@ -51,6 +57,13 @@ def test_a_three_turn_attack_run_learns_on_its_own_turns(tmp_path, seed):
     assert last - first > DIALOGUE_MARGIN, (
         f"seed {seed}: first 5 {first:.3f}, last 5 {last:.3f}\n{rewards.round(3).tolist()}"
     )
+
+
+def test_a_three_turn_attack_run_with_per_turn_rewards_learns(tmp_path):
+    settings = ["dialogue.turns=3", "dialogue.rewards=per_turn", "dialogue.discount=0.5"]
+    rewards = _rewards(tmp_path, "per-turn", "run.seed=0", *settings)
+    first, last = rewards.iloc[:5].mean(), rewards.iloc[-5:].mean()
+    assert last - first > PER_TURN_MARGIN, f"first 5 {first:.3f}, last 5 {last:.3f}\n{rewards.round(3).tolist()}"
 
 
 def test_with_the_advantage_sign_flipped_reward_goes_down(tmp_path, monkeypatch):
