@@ -6,11 +6,12 @@ conversation (user, assistant, ...) as ONE guard prompt ("Task: Check if there i
 ~0.14M-parameter `Qwen3ForCausalLM` (hidden 64, 2 layers) is trained for 400 steps (~40 s) to answer
 ``unsafe\\nS10`` when the last Agent turn `contains_marker`, else ``safe``, then ``<|eot_id|>``; loss on the verdict
 only, on `classifier_example`'s texts (hard negatives included), with markers in some User turns (only the Agent
-is judged) and a third of them multi-turn, earlier replies marked independently (only the last Agent message is
-judged, as in Llama Guard 3). ``safe`` and ``unsafe`` are single tokens (`check_verdict_tokens`), as
-SafetyJudgeScorer reads P(unsafe) at one position. Held-out accuracy ~95 %; shouted or sentence-initial
-capitalised markers are its usual misses (its tokenizer is cased, unlike the classifier's). It is built into its
-own cache folder (`GUARD_VERSION`), on first use of its name only: the policy and classifier never pay for it.
+is judged), a third of the conversations multi-turn with earlier replies marked independently (only the last Agent
+message is judged, as in Llama Guard 3), and a fifth with the defense world's hostile requests and refusals.
+``safe`` and ``unsafe`` are single tokens (`check_verdict_tokens`), as SafetyJudgeScorer reads P(unsafe) at one
+position. Held-out accuracy ~96 %; shouted or sentence-initial capitalised markers are its usual misses (its
+tokenizer is cased, unlike the classifier's). It is built into its own cache folder (`GUARD_VERSION`), on first use
+of its name only: the policy and classifier never pay for it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from typing import Any
 import torch
 
 from redteam_grpo.embedded.bpe import chat_bpe, tokenizer_training_texts
-from redteam_grpo.embedded.corpus import ToyGrammar, guard_example, load_corpus, load_prompts, marker_words
+from redteam_grpo.embedded.corpus import (
+    ToyGrammar,
+    contains_marker,
+    guard_example,
+    load_corpus,
+    load_prompts,
+    marker_words,
+)
+from redteam_grpo.embedded.defense import defense_corpus, fill
 from redteam_grpo.embedded.recipes import DEFAULT_GUARD_RECIPE, GUARD_VERSION, GuardRecipe
 from redteam_grpo.embedded.training import answer_batch, answer_loss_step, isolated_build, warmup_cosine_schedule
 
@@ -139,6 +148,26 @@ def guard_batch(
     return answer_batch(prompt_ids, verdict_ids, tokenizer.eos_token_id)  # no pad token: eos pads
 
 
+def training_example(
+    rng: random.Random, grammar: ToyGrammar, prompts: list[str], recipe: GuardRecipe
+) -> tuple[list[dict[str, str]], int]:
+    """`guard_example`, with the defense world in some of its last exchanges (`recipe.defense_prob`): a training
+    adversarial prompt as the User turn and, half the time, a refusal as the reply. The guard judges defense runs,
+    and a refusal after a hostile request is safe however hostile the request."""
+    messages, label = guard_example(rng, grammar, prompts, recipe.user_marker_prob, recipe.earlier_turns_prob)
+    if rng.random() < recipe.defense_prob:
+        subjects = grammar.words["subj"]
+        world = defense_corpus()
+        messages[-2] = {
+            "role": "user",
+            "content": fill(rng.choice(world["adversarial_templates"]), rng.choice(subjects)),
+        }
+        if rng.random() < 0.5:
+            reply = fill(rng.choice(world["refusals"]), rng.choice(subjects))
+            messages[-1], label = {"role": "assistant", "content": reply}, int(contains_marker(reply))
+    return messages, label
+
+
 def train_guard(tokenizer: Any, recipe: GuardRecipe, rng: random.Random) -> Any:
     """A tiny Qwen3 trained to write the verdict after the guard prompt; loss on the verdict and eos only."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -167,10 +196,7 @@ def train_guard(tokenizer: Any, recipe: GuardRecipe, rng: random.Random) -> Any:
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_schedule(recipe.steps, warmup=30))
     for _ in range(recipe.steps):
-        batch = [
-            guard_example(rng, grammar, prompts, recipe.user_marker_prob, recipe.earlier_turns_prob)
-            for _ in range(recipe.batch_size)
-        ]
+        batch = [training_example(rng, grammar, prompts, recipe) for _ in range(recipe.batch_size)]
         answer_loss_step(model, opt, sched, guard_batch(tokenizer, [c for c, _ in batch], [y for _, y in batch]))
     model.eval()
     # Greedy, and eos set so that generation stops after the verdict (Llama Guard is decoded greedily too).

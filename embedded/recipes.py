@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 ASSETS_VERSION = "v2"
 """The recipe version of the policy and classifier, which are built together into one folder."""
-GUARD_VERSION = "v2"
+GUARD_VERSION = "v3"
 """The guard's own recipe version: it is built into its own folder, so changing it leaves `ASSETS_VERSION` alone."""
 
 
@@ -41,19 +41,24 @@ class GuardRecipe:
     seed: int = 4321
     vocab_size: int = 1536
     steps: int = 400
-    """300 sufficed for single exchanges; with the multi-turn examples 400 keeps markers in User turns unjudged
-    (measured: 80 % vs 93 % of such pairs below 0.5, held-out accuracy 0.95)."""
+    """300 sufficed for single exchanges; with the multi-turn and defense-world examples, 400 steps and markers in
+    30 % of User turns keep a marker in the User turn alone unjudged (measured: 97 % of such pairs below 0.5, vs
+    80 % at 300 steps and 15 %; held-out accuracy 0.96)."""
     batch_size: int = 16
     lr: float = 3e-3
     init_std: float = 0.1
     """Weight init std. At the usual 0.02 the verdict ignored the markers for ~450 steps (loss stuck at the
     label prior: a marker is one token among ~150 that the verdict position must learn to attend to); at 0.06
     to 0.12 it finds them within ~150 steps (measured)."""
-    user_marker_prob: float = 0.25
+    user_marker_prob: float = 0.3
     """Share of conversations whose User turn holds grammar text with markers: only the Agent turn is judged."""
     earlier_turns_prob: float = 0.35
     """Share of conversations with 1..2 earlier exchanges before the judged one (multi-turn dialogues): their
     replies are marked independently of the label, so only the last Agent message decides the verdict."""
+    defense_prob: float = 0.2
+    """Share of conversations whose last User turn is a training adversarial prompt of the defense world, half of
+    them answered by a refusal (safe): without them ~9 % of refusals after a held-out hostile request were judged
+    unsafe (measured)."""
 
 
 DEFAULT_GUARD_RECIPE = GuardRecipe()
