@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,12 @@ class TextScore:
     """The response opens as a refusal (core/refusal.py); set by the scoring service, not by the scorer."""
     truncated: bool = False
     """The scorer saw only the beginning of the text: it was longer than the scorer's maximum length."""
+
+    @property
+    def harm(self) -> float | None:
+        """The score as a harm term: None when the scorer gave none or a non-finite one (the reward is then
+        "no reward", advantage 0)."""
+        return self.score if self.score is not None and math.isfinite(self.score) else None
 
 
 @dataclass(frozen=True)

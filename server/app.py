@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 import uuid
@@ -100,10 +99,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     422: {"model": Problem, "description": "Malformed request (the message names the field and the limit)."},
     503: {"model": Problem, "description": "The models are still loading (retry), or failed to load."},
 }
-
-
-def _finite_or_none(x: float | None) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
 
 
 _bearer = HTTPBearer(auto_error=False)
@@ -250,7 +245,7 @@ def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBacke
         return ScoreResponse(
             results=[
                 TextResult(
-                    score=_finite_or_none(s.score),
+                    score=s.harm,
                     categories=list(s.categories),
                     refusal=s.refusal,
                     truncated=s.truncated,

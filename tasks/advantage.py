@@ -32,10 +32,12 @@ def rewards_by_group(scores: dict[str, list], group_size: int) -> tuple[list[str
     return order, rewards
 
 
-def per_turn_advantages(scores: dict[str, list], order: list[str], group_size: int, cfg: Config) -> list[list[float]]:
-    """dialogue.rewards=per_turn: each dialogue's advantage per policy turn, in the scores' row order. Turn t's
-    return R_t = r_t + discount * R_{t+1} is compared with the returns of turn t of the prompt's other dialogues
-    (`core/advantages.py: turn_advantages`)."""
+def per_turn_advantages(
+    scores: dict[str, list], row_of: dict[str, int], group_size: int, cfg: Config
+) -> list[list[float]]:
+    """dialogue.rewards=per_turn: each dialogue's advantage per policy turn, in the scores' row order (`row_of`: a
+    prompt's row in the [P, G] layout of `rewards_by_group`). Turn t's return R_t = r_t + discount * R_{t+1} is
+    compared with the returns of turn t of the prompt's other dialogues (`core/advantages.py: turn_advantages`)."""
     lengths = {len(r) for r in scores["turn_rewards"] if r is not None}
     if None in scores["turn_rewards"] or len(lengths) != 1:
         raise ValueError(
@@ -44,8 +46,7 @@ def per_turn_advantages(scores: dict[str, list], order: list[str], group_size: i
             f"{sum(r is None for r in scores['turn_rewards'])} rows without: rescore this iteration (--redo I/score)"
         )
     (turns,) = lengths
-    row_of = {p: i for i, p in enumerate(order)}
-    returns = torch.full((len(order), group_size, turns), float("nan"), dtype=torch.float64)
+    returns = torch.full((len(row_of), group_size, turns), float("nan"), dtype=torch.float64)
     for pid, g, rewards in zip(scores["prompt_id"], scores["sample_idx"], scores["turn_rewards"], strict=True):
         if all(r is not None for r in rewards):
             returns[row_of[pid], g] = torch.tensor(discounted_returns(rewards, cfg.dialogue.discount))
@@ -93,7 +94,7 @@ def group_advantage_stage(run_dir: str, iteration: int, learner: Learner) -> str
             and cfg.dialogue.rewards == "per_turn"
             and any(r is not None for r in scores["turn_rewards"])
         ):
-            per_turn = per_turn_advantages(scores, order, group_size, cfg)
+            per_turn = per_turn_advantages(scores, row_of, group_size, cfg)
         table = schemas.to_table(
             {
                 **{k: scores[k] for k in schemas.KEY_COLUMNS},

@@ -151,7 +151,7 @@ def evaluate_checkpoint(
         for c, text, prompt, s in zip(
             completions, texts, prompt_texts, scoring.score(texts, prompt_texts), strict=True
         ):
-            toxicity = s.score if s.score is not None and math.isfinite(s.score) else None
+            toxicity = s.harm
             rows.append(
                 {
                     "run_id": run.run_id,

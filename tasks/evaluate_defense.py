@@ -159,7 +159,7 @@ def evaluate_defense(
                 )
                 prompt_texts = [prompts[c.prompt_index].text for c in completions]
                 scores = scoring.score(texts, prompt_texts)
-                harm = [s.score if s.score is not None and math.isfinite(s.score) else None for s in scores]
+                harm = [s.harm for s in scores]
                 kl = [math.nan] * len(completions)
                 if set_name == "benign" and label == "defended":
                     kl = policy_terms(

@@ -159,7 +159,7 @@ def earlier_answers_scored(
         raise RuntimeError(f"the scorer returned {len(scored)} scores for {len(asked)} earlier answers")
     per_dialogue: list[list[float | None]] = [[] for _ in messages]
     for (d, _), s in zip(asked, scored, strict=True):
-        per_dialogue[d].append(s.score if s.score is not None and math.isfinite(s.score) else None)
+        per_dialogue[d].append(s.harm)
     return [[*earlier, final] for earlier, final in zip(per_dialogue, last, strict=True)]
 
 
@@ -189,7 +189,7 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
     scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages])
     if len(scored) != len(texts):
         raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
-    toxicity = [s.score if s.score is not None and math.isfinite(s.score) else None for s in scored]
+    toxicity = [s.harm for s in scored]
     dialogue = cfg.dialogue
     per_turn = messages is not None and dialogue.rewards == "per_turn"
     turn_toxicity = None
