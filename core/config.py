@@ -80,11 +80,21 @@ class SamplingConfig(_Section):
     """`hf`: transformers `generate` in the trainer's process (core/sampling.py). `vllm`: a vLLM server in its own
     process (`redteam-grpo serve-sampler`, or any `vllm serve` with the settings it uses) at sampling.vllm_url,
     with the current adapter loaded for every iteration (server/vllm_client.py). Its logprobs come from other
-    kernels than the trainer's: training.truncated_is_cap must be set, and training.ratio_tolerance raised to
-    the engines' mismatch (each iteration's metrics show it: logprob_mismatch_*)."""
+    kernels than the trainer's: training.mismatch_correction (token_truncate by default) corrects for it, and each
+    iteration's metrics show it (logprob_mismatch_*, correction_*_share)."""
     vllm_url: str | None = None
     """sampling.backend=vllm: the server's base URL, e.g. http://localhost:8100. It must read the run directory's
     `sampler/` folder (the adapters it loads) at the same path: same machine or a shared volume."""
+
+
+# The bounds [low, high] on rho of each mismatch correction when the config leaves them unset (None: unbounded):
+# Yao et al. 2025 (truncated IS, C = 2), TRL's GRPOConfig defaults (vllm_importance_sampling_clip_max 3.0, no min),
+# IcePop (Ling Team 2025, arXiv:2510.18855: alpha 0.5, beta 5).
+CORRECTION_BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "token_truncate": (None, 2.0),
+    "sequence_mask": (None, 3.0),
+    "icepop": (0.5, 5.0),
+}
 
 
 class TrainingConfig(_Section):
@@ -118,12 +128,21 @@ class TrainingConfig(_Section):
     (the GRPO paper; with loss=gspo, the GSPO paper); `constant`: every token weighs 1 / (sequences x
     sampling.max_new_tokens) (Dr. GRPO), so neither a response's length nor the batch's token count rescales
     its gradient."""
-    truncated_is_cap: float | None = None
-    """Truncated importance sampling (Yao et al. 2025) for a sampler whose logprobs differ from the trainer's
-    (another engine): the ratio is taken against the trainer's logprobs at the sampling weights and each token's
-    term is multiplied by min(p_trainer / p_sampler, cap), detached (Yao et al.: 2). With the in-process sampler
-    the factor is 1. The first-update check still compares trainer and sampler: raise ratio_tolerance to the
-    mismatch of the other engine. None: off."""
+    mismatch_correction: Literal["auto", "none", "token_truncate", "sequence_mask", "icepop"] = "auto"
+    """How the update corrects for a sampler whose logprobs differ from the trainer's at the same weights (another
+    engine's kernels): the ratio is taken against the trainer's logprobs at the sampling weights and each token's
+    term is weighted by a detached factor of rho = p_trainer / p_sampler (core/loss.py). `token_truncate`:
+    min(rho, high) per token (Yao et al. 2025; high 2). `sequence_mask`: one rho per sequence, the product of its
+    tokens', and a sequence outside [low, high] is left out (TRL's default; high 3, no low). `icepop`: rho per
+    token, and a token outside [low, high] is left out (IcePop, Ling Team 2025; [0.5, 5]). `auto`: token_truncate
+    when sampling.backend=vllm, none with the in-process sampler (whose factor would be 1). The metrics
+    correction_token_share and correction_sequence_share show how much it acted."""
+    mismatch_ratio_low: float | None = Field(None, gt=0.0)
+    """Lower bound of rho for the mismatch correction; None: the method's own (token_truncate and sequence_mask: none;
+    icepop: 0.5)."""
+    mismatch_ratio_high: float | None = Field(None, gt=0.0)
+    """Upper bound of rho for the mismatch correction; None: the method's own (token_truncate 2, sequence_mask 3,
+    icepop 5)."""
     dynamic_sampling: bool = False
     """Leave out of the update the groups whose advantages are all 0 (DAPO's dynamic sampling, without its
     re-sampling): they add no gradient, only tokens to the normaliser. The number left out is reported."""
@@ -146,9 +165,13 @@ class TrainingConfig(_Section):
     std_floor: float = Field(1e-2, gt=0.0)
     """Lower bound of any std a reward is divided by: a group whose rewards are equal up to rounding
     must not have its advantages multiplied by thousands."""
-    ratio_tolerance: float = Field(1e-3, gt=0.0)
-    """On the first update the mean |ratio - 1| must be below this, else the step is refused: the trainer
-    would not be computing the distribution the sampler drew from."""
+    first_update_kl_tolerance: float | None = Field(None, gt=0.0)
+    """The first update is refused when KL(sampler ‖ trainer) per token (k3 on the first update's ratio: the metric
+    sampler_kl) exceeds this: the trainer would not be computing the distribution the tokens were drawn from (a
+    misaligned mask, an unreplayed temperature, other ids). None: derived from model.dtype, 16 x the dtype's
+    machine epsilon squared, at least 1e-6 (float32 1e-6, bfloat16 9.8e-4, float16 1.5e-5): measured, rounding
+    noise of a correct run stays below 3e-4 in bfloat16 (a 4B model) while a misalignment puts O(1) nats on some
+    tokens (core/train.py)."""
     logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
     """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
     mismatch of another engine's kernels, sampling.backend=vllm)."""
@@ -181,12 +204,41 @@ class TrainingConfig(_Section):
                     f"training.{name} only applies to training.loss={loss}, but training.loss is {self.loss}: "
                     f"set training.loss={loss}, or leave training.{name} at its default ({default})"
                 )
-        if self.truncated_is_cap is not None and not self.truncated_is_cap >= 1.0:
+        if self.mismatch_correction in ("auto", "none") and (
+            self.mismatch_ratio_low is not None or self.mismatch_ratio_high is not None
+        ):
             raise ValueError(
-                f"training.truncated_is_cap={self.truncated_is_cap} must be >= 1 (Yao et al.: 2): a cap below 1 "
-                "down-weights even the tokens on which sampler and trainer agree; null turns it off"
+                "training.mismatch_ratio_low/high bound a mismatch correction: set training.mismatch_correction to "
+                f"token_truncate, sequence_mask or icepop, or leave the bounds unset (it is {self.mismatch_correction})"
+            )
+        low, high = self.mismatch_bounds
+        if high is not None and not high >= 1.0:
+            raise ValueError(
+                f"training.mismatch_ratio_high={high} must be >= 1: a bound below 1 down-weights or drops even the "
+                "tokens on which sampler and trainer agree"
+            )
+        if low is not None and not low <= 1.0:
+            raise ValueError(
+                f"training.mismatch_ratio_low={low} must be <= 1: a bound above 1 drops even the tokens on which "
+                "sampler and trainer agree"
             )
         return self
+
+    def correction(self, backend: str) -> str:
+        """The mismatch correction in force with sampling.backend=`backend` (`auto` resolved)."""
+        if self.mismatch_correction == "auto":
+            return "token_truncate" if backend != "hf" else "none"
+        return self.mismatch_correction
+
+    @property
+    def mismatch_bounds(self) -> tuple[float | None, float | None]:
+        """[low, high] of the configured correction, the method's own where unset (auto: token_truncate's)."""
+        method = "token_truncate" if self.mismatch_correction in ("auto", "none") else self.mismatch_correction
+        low, high = CORRECTION_BOUNDS[method]
+        return (
+            self.mismatch_ratio_low if self.mismatch_ratio_low is not None else low,
+            self.mismatch_ratio_high if self.mismatch_ratio_high is not None else high,
+        )
 
 
 class DataConfig(_Section):
@@ -531,12 +583,6 @@ class Config(_Section):
                 "sampling.backend=vllm needs sampling.vllm_url: start a server with `redteam-grpo serve-sampler "
                 "--model MODEL` and set sampling.vllm_url to its URL (or use sampling.backend=hf)"
             )
-        if self.training.truncated_is_cap is None:
-            raise ValueError(
-                "sampling.backend=vllm computes logprobs with other kernels than the trainer: set "
-                "training.truncated_is_cap (Yao et al.: 2) and raise training.ratio_tolerance to the engines' "
-                "mismatch (e.g. 0.05), or use sampling.backend=hf"
-            )
         return self
 
 
@@ -638,6 +684,14 @@ MOVED_KEYS = {
     "sampling.top_k": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-k` has it)",
     "sampling.min_new_tokens": "removed: it changes the sampled distribution (`infer --min-new-tokens` has it)",
     "sampling.repetition_penalty": "removed: it changes the sampled distribution (`infer --repetition-penalty`)",
+    "training.truncated_is_cap": (
+        "replaced by training.mismatch_correction=token_truncate (on by default with sampling.backend=vllm) and "
+        "training.mismatch_ratio_high"
+    ),
+    "training.ratio_tolerance": (
+        "replaced by training.first_update_kl_tolerance (KL(sampler ‖ trainer) per token; derived from model.dtype "
+        "when unset)"
+    ),
 }
 
 

@@ -7,7 +7,7 @@ Every loss has the signature `(logprobs_B_C, old_logprobs_B_C, advantages_B, wei
 - `old_logprobs_B_C`: the denominator of the importance ratio r_t = pi_theta(y_t) / pi_old(y_t). By default
   the logprobs the sampler recorded when it drew y_t (never recomputed later), so on the first update after
   sampling r_t = 1 and the gradient is the plain policy gradient A * grad log pi. With truncated importance
-  sampling they are the trainer's own logprobs at the sampling weights (see `truncated_is_weights`).
+  sampling they are the trainer's own logprobs at the sampling weights (see `mismatch_weights`).
 - `advantages_B`: one group-relative advantage per sequence (GRPO, Shao et al. 2024); or [B, C], one per token
   (dialogues with per-turn rewards: each turn's tokens carry that turn's advantage). GSPO takes the first only.
 - `weights_B_C`: per-token constants that carry the normalisation (`token_weights`) and, when on, the
@@ -35,12 +35,19 @@ length of a response nor the number of tokens in the batch rescales its gradient
 from Dr. GRPO: the sequence count is that of the update, after empty completions and (with dynamic sampling)
 zero-advantage groups are left out.
 
-Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
-RL Training"): when the sampler is another engine (e.g. vLLM) its logprobs differ from the trainer's at the
-same weights. The ratio is then taken against the trainer's logprobs at the sampling weights, and each
-token's term is multiplied by min(pi_trainer_old(y_t) / pi_sampler(y_t), C), detached. The factor is folded
-into `weights_B_C`, so it applies to every variant alike (for GSPO: a per-token factor on the sequence's
-term; the paper does not combine the two).
+Engine-mismatch corrections, for a sampler that is another engine (e.g. vLLM): its logprobs differ from the
+trainer's at the same weights. The ratio is then taken against the trainer's logprobs at the sampling weights
+(pi_old), and each token's term is multiplied by a detached factor of rho_t = pi_old(y_t) / pi_sampler(y_t)
+(`mismatch_weights`), folded into `weights_B_C` so that it applies to every variant alike:
+
+- `token_truncate`: min(rho_t, high) (truncated importance sampling, Yao et al. 2025, "Your Efficient RL Framework
+  Secretly Brings You Off-Policy RL Training": high = 2; TRL's `token_truncate`);
+- `sequence_mask`: one ratio per sequence, rho = prod_t rho_t, given to each of its tokens, and 0 for a sequence
+  whose rho is outside [low, high] (TRL's default `sequence_mask`: no low bound, high = 3);
+- `icepop`: rho_t, and 0 for a token whose rho_t is outside [low, high] (IcePop, Ling Team 2025, "Every Step
+  Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model": [0.5, 5]; TRL's `token_mask`).
+
+For GSPO the factor is per token on the sequence's term; the papers do not combine the two.
 
 `LossStats` holds sums over tokens, so the statistics of micro-batches add up exactly. The ratio statistics
 are of the token ratio r_t for every variant, GSPO included (its sequence ratio is a function of them, and the
@@ -139,16 +146,37 @@ def token_weights(
     raise ValueError(f"unknown loss normalisation {normalization!r}: token, sequence or constant")
 
 
-def truncated_is_weights(
-    trainer_logprobs_B_C: torch.Tensor, sampler_logprobs_B_C: torch.Tensor, mask_B_C: torch.Tensor, cap: float
-) -> torch.Tensor:
-    """min(pi_trainer(y) / pi_sampler(y), cap) per token, detached; 1 outside the mask (Yao et al. 2025).
+MismatchCorrection = Literal["token_truncate", "sequence_mask", "icepop"]
 
-    `trainer_logprobs_B_C` are the trainer's logprobs at the weights the sampler used: on every update of a
-    batch the same ones (those of its first forward), never recomputed from the updated weights.
+
+def mismatch_weights(
+    trainer_logprobs_B_C: torch.Tensor,
+    sampler_logprobs_B_C: torch.Tensor,
+    mask_B_C: torch.Tensor,
+    method: MismatchCorrection,
+    low: float | None,
+    high: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine-mismatch factor of each token (detached, 1 outside the mask) and where the correction acted (the
+    tokens truncated or masked: a bool [B, C]).
+
+    `trainer_logprobs_B_C` are the trainer's logprobs at the weights the sampler used: on every update of a batch
+    the same ones (those of its first forward), never recomputed from the updated weights. Bounds are compared in
+    log space, so a sequence ratio that would overflow exp is still masked exactly.
     """
-    ratio_B_C = torch.exp(_log_ratio(trainer_logprobs_B_C, sampler_logprobs_B_C, mask_B_C))
-    return ratio_B_C.clamp(max=cap).detach()
+    log_rho_B_C = _log_ratio(trainer_logprobs_B_C, sampler_logprobs_B_C, mask_B_C).detach()
+    if method == "sequence_mask":  # one ratio per sequence: the product of its tokens' (padding holds 0)
+        log_rho_B_C = log_rho_B_C.sum(-1, keepdim=True).expand_as(log_rho_B_C)
+    log_low = -math.inf if low is None else math.log(low)
+    log_high = math.inf if high is None else math.log(high)
+    outside_B_C = ((log_rho_B_C < log_low) | (log_rho_B_C > log_high)) & mask_B_C
+    if method == "token_truncate":
+        weights_B_C = torch.exp(log_rho_B_C.clamp(min=log_low, max=log_high))
+    elif method in ("sequence_mask", "icepop"):
+        weights_B_C = torch.where(outside_B_C, 0.0, torch.exp(log_rho_B_C.clamp(max=log_high)))
+    else:
+        raise ValueError(f"unknown mismatch correction {method!r}: token_truncate, sequence_mask or icepop")
+    return torch.where(mask_B_C, weights_B_C, 1.0), outside_B_C
 
 
 def ratio_stats(

@@ -81,6 +81,12 @@ class Policy:
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the base computes in (model.dtype): that of its input embeddings, which neither LoRA nor 4-bit
+        quantization changes."""
+        return self.model.get_input_embeddings().weight.dtype
+
     def require_eval_mode(self) -> None:
         """Every forward that produces compared logprobs runs without dropout."""
         if self.model.training:

@@ -9,12 +9,20 @@ Which rows take part: completions with at least one token; with dynamic sampling
 the groups with a non-zero advantage (`informative_rows`). DAPO then samples more prompts until the batch is
 full again; here the batch only shrinks, and the number of groups left out is reported.
 
-Truncated importance sampling (Yao et al. 2025), for a sampler that is another engine: the denominator of the
-ratio is the trainer's own logprobs at the sampling weights, which are the first update's forward, detached,
-kept for the later updates of the batch (recomputing them from the updated weights would make every ratio 1);
-each token's term is multiplied by min(pi_trainer_old / pi_sampler, cap). With the in-process sampler the two
-logprobs agree to float precision, the factor is 1 and the update is the same as without it. The first-update
-check still compares trainer and sampler: with another engine, raise `ratio_tolerance` to the mismatch it has.
+The first-update check: on the first update the trainer's logprobs are compared with the sampler's, and the step
+is refused when KL(sampler || trainer) per token (k3 on the ratio, Schulman 2020) exceeds a tolerance. KL, not the
+mean |ratio - 1|: the tokens were drawn from the sampler, so E[log p_sampler - log p_trainer] is the KL, which is
+second order in rounding noise and first order in a real difference. Measured (KL per token): a correct float32 run
+1e-12 or less; bfloat16 rounding, in-process or vLLM, 1.2e-5 on the embedded model and about 3e-4 for a Qwen3-4B
+(cached decode against a full forward; mean |log-ratio| 0.02, max 0.08); misalignments on the embedded model in
+bfloat16: the first prompt id dropped 3.1e-3, the temperature not replayed 3.2e-2, the mask one token late 4.9.
+The default tolerance (`first_update_tolerance`) is 16 eps(dtype)^2: 9.8e-4 for bfloat16, between the two.
+
+Engine-mismatch corrections, for a sampler that is another engine (`training.mismatch_correction`,
+`core/loss.py: mismatch_weights`): the denominator of the ratio is the trainer's own logprobs at the sampling
+weights, which are the first update's forward, detached, kept for the later updates of the batch (recomputing them
+from the updated weights would make every ratio 1); each token's term is weighted by a factor of
+p_trainer_old / p_sampler, truncated or masked. With the in-process sampler the factor is 1.
 """
 
 from __future__ import annotations
@@ -34,10 +42,10 @@ from redteam_grpo.core.loss import (
     LossStats,
     gspo_loss,
     importance_sampling_loss,
+    mismatch_weights,
     ppo_clip_loss,
     ratio_stats,
     token_weights,
-    truncated_is_weights,
 )
 from redteam_grpo.core.policy import Policy, span_logits
 
@@ -65,6 +73,7 @@ class TrainBatch:
     # dialogue.rewards=per_turn: row i's advantage per span (turn), given to that span's tokens; None: `advantages[i]`
     # for every trained token of row i
     turn_advantages: Sequence[Sequence[float]] | None = None
+    sampler: str = "hf"  # the engine that drew the tokens and recorded sample_logprobs (sampling.backend)
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -129,11 +138,11 @@ class UpdateStats:
     the first update (where the ratio compares trainer and sampler); `last_ratio_std` is of the last update."""
 
     loss: float  # the first update's loss
-    sampler_kl: float  # KL(sampler || trainer) by k3 on the first update's ratio: 0 when they agree
+    sampler_kl: float  # KL(sampler || trainer) by k3 on the first update's ratio: 0 when they agree; the checked one
     ratio_mean: float
     ratio_std: float  # sample std (n - 1)
     ratio_max: float
-    first_ratio_abs_dev: float  # mean |ratio - 1| on the first update: the refused-step check
+    first_ratio_abs_dev: float  # mean |ratio - 1| on the first update
     clip_fraction: float  # share of tokens whose term was clipped on the first update
     grad_norm: float  # before clipping, first update
     entropy: float  # mean per-token entropy of the sampling distribution, first update
@@ -144,6 +153,8 @@ class UpdateStats:
     logprob_mismatch_mean: float  # mean |trainer - sampler| logprob per token, first update (another engine's kernels)
     logprob_mismatch_max: float
     logprob_mismatch_share: float  # share of tokens whose |trainer - sampler| > training.logprob_mismatch_threshold
+    correction_token_share: float  # share of tokens the mismatch correction truncated or masked; NaN when off
+    correction_sequence_share: float  # share of sequences with such a token (sequence_mask: masked); NaN when off
 
 
 def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
@@ -153,6 +164,26 @@ def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
         betas=cfg.adam_betas,
         weight_decay=cfg.weight_decay,
     )
+
+
+# The default first-update tolerance, in units of the compute dtype's machine epsilon squared, and its floor (see the
+# module docstring for the measurements it sits between).
+KL_TOLERANCE_EPS2 = 16.0
+KL_TOLERANCE_FLOOR = 1e-6
+
+
+def first_update_tolerance(cfg: TrainingConfig, dtype: torch.dtype) -> float:
+    """The largest KL(sampler || trainer) per token the first update accepts: the configured one, else derived
+    from the dtype the model computes in.
+
+    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16)
+    0.0009765625
+    >>> first_update_tolerance(TrainingConfig(), torch.float32)
+    1e-06
+    """
+    if cfg.first_update_kl_tolerance is not None:
+        return cfg.first_update_kl_tolerance
+    return max(KL_TOLERANCE_EPS2 * torch.finfo(dtype).eps ** 2, KL_TOLERANCE_FLOOR)
 
 
 def informative_rows(group_ids: Sequence[str], advantages: Sequence[float]) -> tuple[list[int], int]:
@@ -224,15 +255,18 @@ def policy_gradient_step(
     if not rows:  # nothing to learn from: no step (Adam's state and step count are left alone)
         nan = math.nan
         return UpdateStats(
-            0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan, nan, nan, nan
+            0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan, nan, nan, nan, nan, nan
         )
 
     compute_loss = loss_function(cfg)
+    correction = cfg.correction(batch.sampler)
+    low, high = cfg.mismatch_bounds
+    tolerance = first_update_tolerance(cfg, policy.compute_dtype)
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
     batches = micro_batches(rows, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)
     if data_parallel is not None:
         batches = data_parallel.share(batches)
-    trainer_old: list[torch.Tensor] = []  # truncated IS: the first update's logprobs, one tensor per micro-batch
+    trainer_old: list[torch.Tensor] = []  # a correction's pi_old: the first update's logprobs, one per micro-batch
     params = policy.trainable_parameters()
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     first: dict[str, float] = {}
@@ -241,6 +275,7 @@ def policy_gradient_step(
             optimizer.zero_grad(set_to_none=True)
             loss_total, entropy_sum = 0.0, 0.0
             mismatch_sum, mismatch_max, mismatch_over = 0.0, 0.0, 0
+            corrected_tokens, corrected_sequences = 0, 0
             stats, sampler_stats = LossStats(), LossStats()
             for k, mb_rows in enumerate(batches):
                 logits_B_C_V, ids_B_C, mask_B_C = span_logits(
@@ -262,15 +297,17 @@ def policy_gradient_step(
                 weights_B_C = token_weights(
                     mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens
                 ).to(policy.device)
-                if cfg.truncated_is_cap is None:
+                if correction == "none":
                     old_B_C = sample_B_C
                 else:
                     if update == 0:
                         trainer_old.append(logprobs_B_C.detach())
                     old_B_C = trainer_old[k]
-                    weights_B_C = weights_B_C * truncated_is_weights(
-                        old_B_C, sample_B_C, mask_B_C, cfg.truncated_is_cap
-                    )
+                    factors_B_C, corrected_B_C = mismatch_weights(old_B_C, sample_B_C, mask_B_C, correction, low, high)
+                    weights_B_C = weights_B_C * factors_B_C
+                    if update == 0:
+                        corrected_tokens += int(corrected_B_C.sum())
+                        corrected_sequences += int(corrected_B_C.any(-1).sum())
                 loss, mb_stats = compute_loss(logprobs_B_C, old_B_C, advantages_B, weights_B_C, mask_B_C)
                 loss.backward()
                 loss_total += float(loss.detach())
@@ -278,7 +315,7 @@ def policy_gradient_step(
                 if update == 0:
                     # trainer vs sampler: the loss's own ratio, unless truncated IS moved its denominator
                     sampler_stats = sampler_stats + (
-                        mb_stats if cfg.truncated_is_cap is None else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
+                        mb_stats if correction == "none" else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
                     )
                     mismatch_B_C = torch.where(mask_B_C, (logprobs_B_C.detach() - sample_B_C).abs(), 0.0)
                     mismatch_sum += float(mismatch_B_C.sum())
@@ -288,8 +325,10 @@ def policy_gradient_step(
                     entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
             if data_parallel is not None:  # one step of the whole batch, in every process
                 data_parallel.sum_gradients(params)
-                loss_total, entropy_sum, mismatch_sum, mismatch_over = data_parallel.sum(
-                    [loss_total, entropy_sum, mismatch_sum, mismatch_over]
+                loss_total, entropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = (
+                    data_parallel.sum(
+                        [loss_total, entropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences]
+                    )
                 )
                 (mismatch_max,) = data_parallel.max([mismatch_max])
                 stats = _all_reduced(stats, data_parallel)
@@ -297,12 +336,15 @@ def policy_gradient_step(
                     sampler_stats = _all_reduced(sampler_stats, data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if update == 0:
-                deviation = sampler_stats.ratio_abs_dev
-                if deviation > cfg.ratio_tolerance:
+                if not sampler_stats.kl <= tolerance:  # NaN too
                     raise RatioCheckError(
-                        f"first-update importance ratio deviates from 1 by {deviation:.2e} on average "
-                        f"(tolerance {cfg.ratio_tolerance}): the trainer does not see the distribution the tokens "
-                        "were sampled from. The batch was not trained on."
+                        f"first update: the trainer's logprobs differ from the sampler's by KL {sampler_stats.kl:.2e} "
+                        f"per token (tolerance {tolerance:.1e} for {str(policy.compute_dtype).removeprefix('torch.')}; "
+                        f"mean |ratio - 1| {sampler_stats.ratio_abs_dev:.2e}, largest |log-ratio| {mismatch_max:.2f}): "
+                        "the trainer does not see the distribution the tokens were sampled from (a misaligned mask, "
+                        "an unreplayed temperature or token suppression, other ids). The batch was not trained on. "
+                        "If the sampler computes in another dtype than model.dtype, or another engine's rounding is "
+                        "known to be larger, set training.first_update_kl_tolerance."
                     )
                 first = {
                     "loss": loss_total,
@@ -310,13 +352,17 @@ def policy_gradient_step(
                     "ratio_mean": sampler_stats.ratio_mean,
                     "ratio_std": sampler_stats.ratio_std,
                     "ratio_max": sampler_stats.ratio_max,
-                    "first_ratio_abs_dev": deviation,
+                    "first_ratio_abs_dev": sampler_stats.ratio_abs_dev,
                     "clip_fraction": stats.clip_fraction,
                     "grad_norm": grad_norm,
                     "entropy": entropy_sum / n_tokens,
                     "logprob_mismatch_mean": mismatch_sum / n_tokens,
                     "logprob_mismatch_max": mismatch_max,
                     "logprob_mismatch_share": mismatch_over / n_tokens,
+                    "correction_token_share": math.nan if correction == "none" else corrected_tokens / n_tokens,
+                    "correction_sequence_share": (
+                        math.nan if correction == "none" else corrected_sequences / n_sequences
+                    ),
                 }
             if not math.isfinite(grad_norm):
                 raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")

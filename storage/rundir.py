@@ -45,8 +45,13 @@ from redteam_grpo.storage.stages import (
 )
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 7
+RUN_FORMAT = 8
 FORMAT_CHANGES = {
+    7: (
+        "train_metrics.parquet gained correction_token_share and correction_sequence_share; training.ratio_tolerance "
+        "became training.first_update_kl_tolerance (a KL, derived from model.dtype) and training.truncated_is_cap "
+        "training.mismatch_correction"
+    ),
     6: "scores.parquet gained turn_toxicity and turn_rewards, advantages.parquet turn_advantages (dialogue.rewards)",
     5: "rollouts.parquet and attacks.parquet gained turn and speaker (dialogue.turns: one row per sampled message)",
     4: ("scores.parquet gained scorer_truncated, the sample and score stages may be split into parts (runtime.shards)"),

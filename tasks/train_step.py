@@ -51,7 +51,7 @@ def attack_train_step_stage(run_dir: str, iteration: int) -> str:
     return update_stage(run_dir, iteration, ATTACKER_LEARNER)
 
 
-def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: int) -> TrainBatch:
+def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: int, sampler: str) -> TrainBatch:
     """The learner's rollouts of `iteration` joined with their advantages. Dialogues (rows of later turns): one row per
     dialogue, its last turn's prompt and completion with the spans of the policy's own turns (core/dialogue.py)."""
     trained = policy_rows(run.read(learner.rollouts, iteration).to_pydict())
@@ -66,6 +66,7 @@ def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: i
         group_ids=rollouts["prompt_id"],
         max_new_tokens=max_new_tokens,
         spans=trained.spans,
+        sampler=sampler,
         turn_advantages=(
             [advantages["turn_advantages"][i] for i in rows]
             if any(a is not None for a in advantages["turn_advantages"])
@@ -79,7 +80,9 @@ def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_p
     cfg = res.config
     attacker = learner is ATTACKER_LEARNER
     max_new_tokens = cfg.defense.attacker_max_new_tokens if attacker else cfg.sampling.max_new_tokens
-    batch = train_batch(res.run, learner, iteration, max_new_tokens)
+    # the attacker's prompts are sampled in this process (tasks/attack.py); the policy's by sampling.backend
+    sampler = "hf" if attacker else cfg.sampling.backend
+    batch = train_batch(res.run, learner, iteration, max_new_tokens, sampler)
     if attacker:
         res.ensure_attacker(iteration - 1)  # the defender may already hold this iteration's update
     else:

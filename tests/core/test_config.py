@@ -108,7 +108,8 @@ def test_loss_family_defaults_are_the_papers_values():
     assert t.loss == "importance_sampling" and t.loss_normalization == "token"
     assert (t.ppo_clip_epsilon_low, t.ppo_clip_epsilon_high) == (0.2, 0.28)  # DAPO
     assert (t.gspo_epsilon_low, t.gspo_epsilon_high) == (3e-4, 4e-4)  # GSPO, section 5.1
-    assert t.truncated_is_cap is None and t.dynamic_sampling is False
+    assert t.mismatch_correction == "auto" and t.dynamic_sampling is False
+    assert t.correction("hf") == "none" and t.correction("vllm") == "token_truncate" and t.mismatch_bounds == (None, 2)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +122,17 @@ def test_loss_family_defaults_are_the_papers_values():
             "training.ppo_clip_epsilon_low=1.0 must be in (0, 1)",
         ),
         (["training.loss=gspo", "training.gspo_epsilon_high=0"], "training.gspo_epsilon_high=0.0 must be > 0"),
-        (["training.truncated_is_cap=0.5"], "training.truncated_is_cap=0.5 must be >= 1"),
+        (
+            ["training.mismatch_correction=token_truncate", "training.mismatch_ratio_high=0.5"],
+            "training.mismatch_ratio_high=0.5 must be >= 1",
+        ),
+        (
+            ["training.mismatch_correction=icepop", "training.mismatch_ratio_low=2"],
+            "training.mismatch_ratio_low=2.0 must be <= 1",
+        ),
+        (["training.mismatch_ratio_high=3"], "set training.mismatch_correction to token_truncate, sequence_mask"),
+        (["training.truncated_is_cap=2"], "replaced by training.mismatch_correction=token_truncate"),
+        (["training.ratio_tolerance=0.05"], "replaced by training.first_update_kl_tolerance"),
         (["training.loss=dapo"], "training.loss"),
         (["training.loss_normalization=length"], "training.loss_normalization"),
     ],

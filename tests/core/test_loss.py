@@ -9,10 +9,10 @@ from redteam_grpo.core.loss import (
     LossStats,
     gspo_loss,
     importance_sampling_loss,
+    mismatch_weights,
     ppo_clip_loss,
     ratio_stats,
     token_weights,
-    truncated_is_weights,
 )
 
 MASK = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])  # lengths 2, 3, 1
@@ -150,15 +150,70 @@ def test_gspo_with_a_negative_advantage_clips_below():
     assert torch.equal(logprobs.grad, torch.zeros(1, 2)) and stats.clip_fraction == 1.0
 
 
-def test_truncated_is_weights_are_the_capped_detached_trainer_over_sampler_ratio():
-    # Yao et al. 2025: min(p_trainer / p_sampler, C), C = 2
-    trainer = torch.tensor([[0.6, 0.3, 0.5, 0.4]]).log().requires_grad_()
-    sampler = torch.tensor([[0.2, 0.6, 0.5, 0.1]]).log()
-    mask = torch.tensor([[True, True, True, False]])
-    weights = truncated_is_weights(trainer, sampler, mask, cap=2.0)
-    # 0.6/0.2 = 3 -> capped at 2; 0.3/0.6 = 0.5; equal -> 1; masked -> 1
-    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 1.0, 1.0]]))
-    assert not weights.requires_grad  # a constant factor: no gradient flows through it
+# Two sequences of 3 tokens, the second with its last token padding. rho = p_trainer / p_sampler per token:
+#   sequence 0: 0.6/0.2 = 3, 0.3/0.6 = 0.5, 0.5/0.5 = 1      (product 1.5)
+#   sequence 1: 0.4/0.1 = 4, 0.9/0.3 = 3,   padding          (product 12)
+TRAINER = torch.tensor([[0.6, 0.3, 0.5], [0.4, 0.9, 0.2]]).log()
+SAMPLER = torch.tensor([[0.2, 0.6, 0.5], [0.1, 0.3, 0.7]]).log()
+TWO_SEQUENCES = torch.tensor([[True, True, True], [True, True, False]])
+
+
+@pytest.mark.parametrize(
+    ("method", "low", "high", "weights", "acted"),
+    [
+        # Yao et al. 2025: min(rho, 2) per token
+        ("token_truncate", None, 2.0, [[2.0, 0.5, 1.0], [2.0, 2.0, 1.0]], [[1, 0, 0], [1, 1, 0]]),
+        # a lower bound truncates from below too
+        ("token_truncate", 0.8, 2.0, [[2.0, 0.8, 1.0], [2.0, 2.0, 1.0]], [[1, 1, 0], [1, 1, 0]]),
+        # TRL's sequence_mask, high 3: sequence 0 keeps its product 1.5 on every token, sequence 1 (12) is dropped
+        ("sequence_mask", None, 3.0, [[1.5, 1.5, 1.5], [0.0, 0.0, 1.0]], [[0, 0, 0], [1, 1, 0]]),
+        # IcePop [0.45, 5]: every rho is inside, each kept as is
+        ("icepop", 0.45, 5.0, [[3.0, 0.5, 1.0], [4.0, 3.0, 1.0]], [[0, 0, 0], [0, 0, 0]]),
+        # IcePop [0.6, 3.5]: 0.5 and 4 fall outside, 3 stays
+        ("icepop", 0.6, 3.5, [[3.0, 0.0, 1.0], [0.0, 3.0, 1.0]], [[0, 1, 0], [1, 0, 0]]),
+    ],
+)
+def test_mismatch_corrections_on_hand_worked_ratios(method, low, high, weights, acted):
+    trainer = TRAINER.clone().requires_grad_()
+    factors, corrected = mismatch_weights(trainer, SAMPLER, TWO_SEQUENCES, method, low, high)
+    torch.testing.assert_close(factors, torch.tensor(weights))  # padding: 1 (its token weight is 0 anyway)
+    assert torch.equal(corrected, torch.tensor(acted, dtype=torch.bool))
+    assert not factors.requires_grad  # a constant factor: no gradient flows through it
+
+
+def _trl_is_ratio(old_logps, sampling_logps, mask, mode, clip_min, clip_max):
+    """TRL 1.16's engine correction, replayed line by line from `GRPOTrainer._generate_and_score_completions`
+    (trl/trainer/grpo_trainer.py, "Compute the importance sampling ratio when using vLLM"), where it is inline."""
+    per_token_logps_diff = (old_logps - sampling_logps) * mask
+    if mode in ("sequence_mask", "sequence_truncate"):
+        logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+    else:
+        logps_diff = per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    min_val = clip_min if clip_min is not None else -math.inf
+    max_val = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+
+
+@pytest.mark.parametrize(
+    ("ours", "trl_mode", "low", "high"),
+    [
+        ("token_truncate", "token_truncate", None, 2.0),
+        ("sequence_mask", "sequence_mask", None, 3.0),  # TRL's defaults
+        ("icepop", "token_mask", 0.5, 5.0),
+    ],
+)
+def test_mismatch_corrections_give_trls_factors_on_random_logprobs(ours, trl_mode, low, high):
+    generator = torch.Generator().manual_seed(0)
+    trainer = torch.randn(64, 12, generator=generator) * 2 - 3
+    sampler = trainer + torch.randn(64, 12, generator=generator) * 0.5  # large mismatches: many bounds cross
+    mask = torch.arange(12) < torch.randint(1, 13, (64, 1), generator=generator)
+    factors, corrected = mismatch_weights(trainer, sampler, mask, ours, low, high)
+    expected = _trl_is_ratio(trainer, sampler, mask.float(), trl_mode, low, high).expand_as(factors)
+    torch.testing.assert_close(torch.where(mask, factors, 0.0), torch.where(mask, expected, 0.0))
+    assert corrected.any() and not corrected.all()  # the bounds were crossed, so the comparison means something
 
 
 def test_loss_stats_add_up_exactly_over_micro_batches():

@@ -133,6 +133,8 @@ def test_update_stats_has_exactly_the_documented_float_fields(tiny_policy):
         "logprob_mismatch_mean",
         "logprob_mismatch_max",
         "logprob_mismatch_share",
+        "correction_token_share",
+        "correction_sequence_share",
     ]
     assert [f.name for f in dataclasses.fields(UpdateStats)] == names
     batch = _batch(tiny_policy)
@@ -298,14 +300,15 @@ def test_dynamic_sampling_drops_the_groups_whose_advantages_are_all_zero(tiny_po
     assert diluted_stats.n_dropped_groups == 0.0
 
 
-def test_truncated_is_changes_nothing_when_sampler_and_trainer_agree(tiny_policy):
+@pytest.mark.parametrize("correction", ["token_truncate", "sequence_mask", "icepop"])
+def test_a_mismatch_correction_changes_nothing_when_sampler_and_trainer_agree(tiny_policy, correction):
     _perturb_adapter(tiny_policy)
     batch = _batch(tiny_policy)
     start = {k: v.clone() for k, v in tiny_policy.adapter_state().items()}
     results = []
-    for cap in (None, 2.0):
+    for method in ("none", correction):
         tiny_policy.load_adapter_state(start)
-        cfg = TrainingConfig(loss="ppo_clip", truncated_is_cap=cap, updates_per_batch=3, learning_rate=1e-2)
+        cfg = TrainingConfig(loss="ppo_clip", mismatch_correction=method, updates_per_batch=3, learning_rate=1e-2)
         stats = policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), batch, cfg)
         results.append((stats, tiny_policy.adapter_state()))
     (plain, plain_state), (truncated, truncated_state) = results
@@ -313,6 +316,7 @@ def test_truncated_is_changes_nothing_when_sampler_and_trainer_agree(tiny_policy
         torch.testing.assert_close(truncated_state[key], plain_state[key], rtol=1e-4, atol=1e-6)
     assert truncated.last_ratio_std == pytest.approx(plain.last_ratio_std, rel=1e-3)
     assert truncated.first_ratio_abs_dev < 1e-5 and truncated.sampler_kl == pytest.approx(0.0, abs=1e-8)
+    assert truncated.correction_token_share == 0.0 and math.isnan(plain.correction_token_share)
 
 
 def test_truncated_is_with_another_sampler_keeps_the_first_trainer_logprobs_and_caps_the_weight(tiny_policy):
@@ -326,7 +330,12 @@ def test_truncated_is_with_another_sampler_keeps_the_first_trainer_logprobs_and_
     batch = dataclasses.replace(honest, sample_logprobs=sampler)
     cap = 1.2
     cfg = TrainingConfig(
-        truncated_is_cap=cap, updates_per_batch=2, micro_batch_size=5, grad_clip=None, ratio_tolerance=1.0
+        mismatch_correction="token_truncate",
+        mismatch_ratio_high=cap,
+        updates_per_batch=2,
+        micro_batch_size=5,
+        grad_clip=None,
+        first_update_kl_tolerance=1.0,
     )
     params = tiny_policy.trainable_parameters()
     optimizer = RecordingAdamW(params, lr=1e-2)
@@ -352,6 +361,7 @@ def test_truncated_is_with_another_sampler_keeps_the_first_trainer_logprobs_and_
         _assert_same_gradient(recorded, expected)
     ratio = torch.exp(trainer_old["lp"] - _sample_logprobs(batch, mask))
     assert ((ratio > cap) & mask).any() and ((ratio < 1.0) & mask).any()  # some weights capped, some below 1
+    assert stats.correction_token_share == pytest.approx(float(((ratio > cap) & mask).sum() / mask.sum()))
     assert stats.last_ratio_std > 1e-3  # the later ratio is against the kept logprobs, not recomputed ones
 
 

@@ -175,7 +175,7 @@ def test_settings_dialogues_do_not_support_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"dialogue\.turns=2 does not work with sampling\.backend=vllm"):
         load_config(
             None,
-            ["dialogue.turns=2", "sampling.backend=vllm", "sampling.vllm_url=http://x", "training.truncated_is_cap=2"],
+            ["dialogue.turns=2", "sampling.backend=vllm", "sampling.vllm_url=http://x"],
         )
     with pytest.raises(ValueError, match=r"dialogue\.rewards=per_turn .* training\.loss=gspo"):
         load_config(None, ["dialogue.turns=2", "dialogue.rewards=per_turn", "training.loss=gspo"])

@@ -75,10 +75,10 @@ def test_torchrun_update_equals_the_single_process_update(tmp_path):
 
 
 def test_a_refused_step_in_the_workers_is_the_same_error_as_in_process(tmp_path):
-    # a tolerance below float rounding: the first-update ratio check refuses the step in every process
+    # a tolerance below float rounding: the first-update check refuses the step in every process
     run = None
-    with pytest.raises(RatioCheckError, match="first-update importance ratio"):
-        run = _update(tmp_path, "r", "training.launcher=torchrun", "training.ratio_tolerance=1e-12")
+    with pytest.raises(RatioCheckError, match="does not see the distribution the tokens were sampled from"):
+        run = _update(tmp_path, "r", "training.launcher=torchrun", "training.first_update_kl_tolerance=1e-30")
     run = RunDir(tmp_path / "r")
     assert run.completed(TRAIN_STEP, 0) is None and not run.path(TRAIN_STEP, 0).exists()
     assert not (run.checkpoint_dir(0) / checkpoints.ADAPTER_FILE).exists()  # nothing half-written either
