@@ -28,7 +28,7 @@ def build(folder: Path, tiny: bool = False) -> Path:
     if (folder / "config.json").exists():
         return folder
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
     from transformers.utils import logging as transformers_logging
 
     from redteam_grpo.core.config import ModelConfig
@@ -39,7 +39,8 @@ def build(folder: Path, tiny: bool = False) -> Path:
     config = Qwen3Config(**(TINY if tiny else QWEN3_4B), pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        # built in bfloat16 directly: a float32 copy first would need twice the memory (16 GB at 4B)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

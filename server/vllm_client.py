@@ -28,6 +28,7 @@ import httpx
 
 from redteam_grpo.core.sampling import Completion
 from redteam_grpo.server.client import MAX_BACKOFF_S, RETRIED_ERRORS, RETRIED_STATUS
+from redteam_grpo.server.vllm_env import Engine
 
 ZERO_PROBABILITY = -9999.0  # vLLM's JSON for a logprob of -inf
 PEFT_ADAPTER_FILE = "adapter_model.safetensors"  # in the folder PEFT's save_pretrained writes, which vLLM loads
@@ -37,7 +38,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values `vllm ser
 
 
 def serve_command(
-    vllm: str,
+    engine: Engine,
     model: str,
     revision: str | None,
     dtype: str,
@@ -47,20 +48,26 @@ def serve_command(
     port: int,
     seed: int,
     extra: list[str],
+    kv_cache_gib: float = 4.0,
 ) -> tuple[list[str], dict[str, str]]:
-    """The `vllm serve` command line (and its environment) that samples as this project's client expects: LoRA
+    """The command line (and its environment) of a vLLM server that samples as this project's client expects: LoRA
     loaded at runtime, logprobs of the distribution drawn from (after temperature and the token mask), none of the
-    model's own generation defaults."""
+    model's own generation defaults. The CPU build also gets its platform, its KV cache size and no chunked prefill
+    (server/vllm_env.py says why)."""
     rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
     if rank is None:
         raise SamplerError(f"model.lora_rank={lora_rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
-    command = [vllm, "serve", model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
+    command = [*engine.launcher, model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
     command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
     command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
     command += ["--max-model-len", str(max_model_len)]
     if revision:
         command += ["--revision", revision]
-    return [*command, *extra], {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if engine.cpu:
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_model_len))]
+        env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
+    return [*command, *extra], env
 
 
 class SamplerError(RuntimeError):

@@ -13,6 +13,7 @@ import yaml
 
 from redteam_grpo.core.config import load_config
 from redteam_grpo.server.vllm_client import serve_command
+from redteam_grpo.server.vllm_env import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = {"POSTGRES_PASSWORD": "db-secret", "REDTEAM_GRPO_REWARD_TOKEN": "reward-secret"}
@@ -84,7 +85,7 @@ def test_the_gpu_override_adds_a_vllm_sampler_and_reserves_gpus_for_it_and_the_w
     cfg = load_config(ROOT / "configs" / "qwen3-4b-instruct.yaml", [])
     m = cfg.model
     command, _ = serve_command(
-        "vllm",
+        Engine.executable("vllm"),
         m.policy,
         None,
         m.dtype,

@@ -1,0 +1,211 @@
+"""`sampling.backend=vllm` against the real engine: vLLM's CPU build in its own environment (`redteam-grpo
+install-sampler`, which the README's test command runs), started by `redteam-grpo serve-sampler`, in bfloat16.
+
+Without the engine's environment these tests are skipped, except where REDTEAM_GRPO_REQUIRE_VLLM=1 (CI installs it:
+never skip there). The stand-in of tests/doubles/vllm_server.py stays for the one fault a real server cannot be made to
+produce: a response that names another adapter than the one asked for (tests/server/test_vllm_client.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+import torch
+
+from redteam_grpo.core.chat import format_prompt_ids
+from redteam_grpo.core.config import ModelConfig, TrainingConfig, load_config
+from redteam_grpo.core.policy import load_policy, resolve_model_name
+from redteam_grpo.core.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
+from redteam_grpo.core.train import policy_gradient_step as step
+from redteam_grpo.flows import attack
+from redteam_grpo.server.vllm_client import SamplerError, VllmSampler
+from redteam_grpo.server.vllm_env import DEFAULT_ENV, installed
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import SAMPLE, TRAIN_STEP
+from tests.core.test_first_update_check import (
+    PROMPTS,
+    _drop_the_first_prompt_id,
+    _forget_the_temperature,
+    _read_the_wrong_column,
+    _shift_logprobs_one_token_late,
+)
+from tests.e2e.test_cli import CLI, ROOT
+from tests.e2e.test_reward_server_run import _free_port
+from tests.small_runs import SMALL_RUN
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
+ENGINE_SETTINGS = ["model.dtype=bfloat16", "sampling.backend=vllm"]  # and sampling.vllm_url: nothing else
+
+
+@pytest.fixture(scope="module")
+def engine_env() -> Path:
+    folder = Path(os.environ.get("REDTEAM_GRPO_VLLM_ENV", ROOT / DEFAULT_ENV))
+    if not installed(folder, "cpu"):
+        why = f"no vLLM CPU engine in {folder}: install it with `redteam-grpo install-sampler --device cpu`"
+        if os.environ.get("REDTEAM_GRPO_REQUIRE_VLLM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return folder
+
+
+class Engine:
+    """`redteam-grpo serve-sampler` on the embedded policy in bfloat16, on a free loopback port."""
+
+    def __init__(self, env: Path, log: Path):
+        self.env, self.log, self.port = env, log, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Engine:
+        args = ["serve-sampler", "--vllm", str(self.env), "--port", str(self.port), "--kv-cache-gib", "1"]
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(
+                [*CLI, *args, "--set", "model.dtype=bfloat16"],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the engine never answered /health:\n" + self.log.read_text()[-4000:]
+            time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # as a crash would: no clean shutdown
+            self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_env, tmp_path_factory):
+    served = Engine(engine_env, tmp_path_factory.mktemp("engine") / "engine.log").start()
+    yield served
+    served.stop()
+
+
+def _mismatch(run: RunDir, iterations: int) -> pd.DataFrame:
+    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(iterations))
+    columns = ["sampler_kl", "first_ratio_abs_dev", "logprob_mismatch_mean", "logprob_mismatch_max"]
+    print(metrics[[*columns, "correction_token_share"]].to_string())  # the figures a reader of -s wants
+    return metrics
+
+
+def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_set(tmp_path, engine):
+    overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={engine.url}", "run.iterations=2", *SMALL_RUN]
+    overrides += [f"run.runs_dir={tmp_path}", "run.run_id=real"]
+    attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "real")
+    assert run.manifest()["status"] == "completed"
+    metrics = _mismatch(run, 2)
+    # another engine's kernels: the logprobs differ a little, far less than the first-update tolerance
+    assert (metrics.logprob_mismatch_mean > 1e-4).all()
+    assert (metrics.sampler_kl < first_update_tolerance(TrainingConfig(), torch.bfloat16) / 5).all()
+    assert (metrics.correction_token_share >= 0).all()  # token_truncate is on by default for another engine
+    # the server holds the last version's adapter and the base, nothing else
+    served = {card["id"] for card in httpx.get(engine.url + "/v1/models").json()["data"]}
+    assert len(served) == 2 and any(name.startswith("real-v0-") for name in served)
+    rollouts = pd.read_parquet(run.path(SAMPLE, 1))
+    assert rollouts.completion_token_ids.map(len).gt(0).all()
+
+
+def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
+    sampler = VllmSampler(engine.url, retries=0)
+    with pytest.raises(SamplerError, match="refused the request: HTTP 404"):
+        sampler.sample("never-loaded", [[1, 2, 3]], 2, 4, 1.0, 0, [2], list(range(100)))
+
+
+def test_on_the_engine_bfloat16_passes_the_first_update_check_and_each_misalignment_is_refused(engine):
+    policy = load_policy(ModelConfig(dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
+    base = resolve_model_name(ModelConfig().policy)  # the served base model's name: no adapter
+    prompt_ids = [format_prompt_ids(policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
+    vocab = policy.model.get_input_embeddings().num_embeddings
+    allowed = [i for i in range(vocab) if i not in set(policy.distribution.suppressed_ids)]
+    completions = VllmSampler(engine.url).sample(base, prompt_ids, 4, 24, 0.7, 0, policy.end_of_turn_ids, allowed)
+    batch = TrainBatch(
+        prompt_ids=[prompt_ids[c.prompt_index] for c in completions],
+        completion_ids=[c.completion_ids for c in completions],
+        sample_logprobs=[c.sample_logprobs for c in completions],
+        advantages=[float((-1) ** i) for i in range(len(completions))],
+        group_ids=[str(c.prompt_index) for c in completions],
+        sampler="vllm",
+    )
+    cfg = TrainingConfig()
+    start = {k: v.clone() for k, v in policy.adapter_state().items()}
+    correct = step(policy, make_optimizer(policy, cfg), batch, cfg)
+    print(f"engine, bfloat16: KL {correct.sampler_kl:.2e}, mean |ratio - 1| {correct.first_ratio_abs_dev:.2e}")
+    assert correct.logprob_mismatch_mean > 1e-4  # the engine's kernels are not the trainer's
+    for misalign in (
+        _shift_logprobs_one_token_late,
+        _drop_the_first_prompt_id,
+        _forget_the_temperature,
+        _read_the_wrong_column,
+    ):
+        policy.load_adapter_state(start)
+        policy.distribution = dataclasses.replace(policy.distribution, temperature=0.7)
+        with pytest.raises(RatioCheckError, match="does not see the distribution"):
+            step(policy, make_optimizer(policy, cfg), misalign(policy, batch), cfg)
+
+
+def test_an_engine_that_dies_mid_run_is_one_error_line_and_the_run_resumes_after_a_restart(tmp_path, engine_env):
+    served = Engine(engine_env, tmp_path / "engine.log").start()
+    try:
+        root = tmp_path / "crash"
+        args = [*ENGINE_SETTINGS, f"sampling.vllm_url={served.url}", "run.iterations=3", *SMALL_RUN]
+        args += [f"run.runs_dir={tmp_path}", "run.run_id=crash", "logging.progress=false"]
+        proc = subprocess.Popen(
+            [*CLI, "run", *(a for s in args for a in ("--set", s))],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 300
+        while not _recorded(root, "0/train_step"):  # the engine dies once iteration 0 has trained
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        served.stop()
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode != 0
+        errors = [line for line in (out + err).splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "vLLM sampler" in errors[0], out + err
+        assert "Traceback" not in out + err
+        recorded = json.loads((root / "manifest.json").read_text())["stages"]
+
+        served.start()  # the same port: the run's config is unchanged
+        resumed = subprocess.run(
+            [*CLI, "run", "--resume", str(root)], capture_output=True, text=True, timeout=600, cwd=ROOT
+        )
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        after = json.loads((root / "manifest.json").read_text())
+        assert after["status"] == "completed"
+        for key, record in recorded.items():  # what was completed before the crash is kept as it was
+            assert after["stages"][key]["files"] == record["files"], key
+    finally:
+        served.stop()
+
+
+def _recorded(root: Path, key: str) -> bool:
+    try:
+        return key in json.loads((root / "manifest.json").read_text())["stages"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-s"]))
