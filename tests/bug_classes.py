@@ -101,6 +101,13 @@ BUG_CLASSES = [
         "tests/server/test_vllm_client.py::test_a_response_from_another_adapter_is_refused",
     ),
     (
+        "cpu-engine-chunks-seeded-prompts",
+        "server/vllm_client.py",
+        'command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_model_len))]',
+        'command += ["--max-num-batched-tokens", str(max(2048, max_model_len))]',
+        "tests/server/test_vllm_env.py::test_the_cpu_build_starts_from_its_environment_named_as_a_cpu_without_chunked_prefill tests/e2e/test_vllm_engine.py::test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_lives_on",
+    ),
+    (
         "adapter-name-outlives-its-weights",
         "server/vllm_client.py",
         'return f"{run_id}-v{version}-{digest}"',

@@ -130,6 +130,18 @@ def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
         sampler.sample("never-loaded", [[1, 2, 3]], 2, 4, 1.0, 0, [2], list(range(100)))
 
 
+def test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_lives_on(engine):
+    # 40 prompts x 64 ids = 2,560 prompt tokens, more than the 2,048 of one step: with chunked prefill a seeded prompt
+    # would be split over two steps and the CPU engine would die ("CPU Generator does not use offset")
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 800, (40, 64), generator=generator).tolist()
+    base = resolve_model_name(ModelConfig().policy)
+    sampler = VllmSampler(engine.url, retries=0)
+    completions = sampler.sample(base, prompts, 2, 4, 1.0, 0, [2], list(range(800)))
+    assert len(completions) == 80 and all(c.completion_ids for c in completions)
+    assert len(sampler.sample(base, prompts[:1], 2, 4, 1.0, 1, [2], list(range(800)))) == 2  # still serving
+
+
 def test_on_the_engine_bfloat16_passes_the_first_update_check_and_each_misalignment_is_refused(engine):
     policy = load_policy(ModelConfig(dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
     base = resolve_model_name(ModelConfig().policy)  # the served base model's name: no adapter
