@@ -1,40 +1,86 @@
-"""Sampling on a GPU, side by side in one run: completion tokens/s on a random-weight Qwen3-4B (bfloat16), the same
+"""Sampling, side by side in one run: completion tokens/s on a random-weight Qwen3 with Qwen3's vocabulary, the same
 prompts and length, from
 
-  hf            the in-process sampler (`core/sampling.py`: transformers `generate`, each token drawn and recorded)
-  vllm direct   one plain completions request to a vLLM server (no token mask, no logprobs, no checks)
-  vllm ours     the project's client (`server/vllm_client.py`: allowed ids, processed logprobs, token ids, checks)
+  hf                 the in-process sampler (`core/sampling.py`: transformers `generate`, each token drawn and recorded)
+  vllm direct        one plain completions request to the vLLM server (no token mask, no logprobs, no seed)
+  + logprobs, + seed, + allowed ids, + logit bias
+                     that request with one more of the settings our client needs, to show where the time goes
+  vllm ours          the project's client (`server/vllm_client.py`: suppressed ids, processed logprobs, token ids,
+                     seed, checks)
 
 with a LoRA adapter loaded (the policy's, as in a run). Target: ours >= 0.8x vLLM called directly.
 
-    python bench/gpu_sampling.py --model-dir /tmp/qwen3-4b-random     # saves the random model there; HF only
-    redteam-grpo serve-sampler --set model.policy=/tmp/qwen3-4b-random --vllm .vllm/bin/vllm   # another shell
-    python bench/gpu_sampling.py --model-dir /tmp/qwen3-4b-random --vllm-url http://127.0.0.1:8100
-    python bench/gpu_sampling.py --tiny --device cpu --model-dir /tmp/tiny --vllm-url URL   # its code, on a CPU
+    python bench/gpu_sampling.py --shape small --device cpu --engine .vllm     # the CPU engine, started here
+    python bench/gpu_sampling.py --model-dir /tmp/qwen3-4b-random --engine .vllm   # a GPU: Qwen3-4B, vllm build
+    python bench/gpu_sampling.py --vllm-url http://127.0.0.1:8100 ...           # a server started elsewhere
 
+`--engine FOLDER` starts `redteam-grpo serve-sampler --vllm FOLDER` on the model for the benchmark and stops it after.
 A random model almost never draws an end-of-turn token, so every completion runs to --tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(folder: Path, model: Path, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    command = [sys.executable, "-m", "redteam_grpo.cli.main", "serve-sampler", "--vllm", str(folder)]
+    command += [
+        "--port",
+        str(port),
+        "--kv-cache-gib",
+        "4",
+        "--set",
+        f"model.policy={model}",
+        "--set",
+        f"model.dtype={dtype}",
+    ]
+    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the engine stopped: see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the engine did not answer in 10 minutes: see {log}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, required=True, help="the random model's folder (built if absent)")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=16, help="completions per prompt")
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--model-dir", type=Path, help="the random model's folder (built if absent)")
+    parser.add_argument("--shape", choices=["4b", "small", "tiny"], default="4b")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=64, help="sequences per generate call (HF)")
-    parser.add_argument("--vllm-url", help="a vLLM server serving --model-dir (redteam-grpo serve-sampler)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: bfloat16")
+    parser.add_argument("--engine", type=Path, help="an engine environment (install-sampler) to start a server from")
+    parser.add_argument("--vllm-url", help="a vLLM server already serving --model-dir (redteam-grpo serve-sampler)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
 
     import httpx
@@ -50,11 +96,12 @@ def main() -> None:
     from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this benchmark is for a GPU (try --tiny --device cpu to run its code)")
+        raise SystemExit("no CUDA device: use --device cpu (with --shape small)")
     console = Console()
-    folder = qwen3_4b.build(args.model_dir, tiny=args.tiny)
-    vocab = (qwen3_4b.TINY if args.tiny else qwen3_4b.QWEN3_4B)["vocab_size"]
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    shape = qwen3_4b.SHAPES[args.shape]
+    folder = qwen3_4b.build(args.model_dir or Path(f"/tmp/qwen3-{args.shape}-random"), shape=args.shape)
+    vocab = shape["vocab_size"]
+    dtype = args.dtype or "bfloat16"
     policy = load_policy(ModelConfig(policy=str(folder), dtype=dtype), 1.0, torch.device(args.device), 0)
     policy.end_of_turn_ids = [vocab - 1]  # as good as never drawn: fixed length
     generator = torch.Generator().manual_seed(0)
@@ -62,53 +109,72 @@ def main() -> None:
     rates: dict[str, float] = {}
 
     def rate(name: str, run) -> None:
-        run()  # warm-up
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        tokens = run()
-        rates[name] = tokens / (time.perf_counter() - started)
+        with console.status(f"{name} ..."):
+            run()  # warm-up
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            tokens = run()
+            rates[name] = tokens / (time.perf_counter() - started)
 
-    with console.status("hf ..."):
-        rate(
-            "hf",
-            lambda: sum(
-                len(c.completion_ids)
-                for c in sample_completions(policy, prompts, args.group, args.tokens, args.batch, seed=0)
-            ),
-        )
-    if args.vllm_url:
-        adapter_dir = folder.parent / f"{folder.name}-adapter"
-        policy.model.save_pretrained(adapter_dir, selected_adapters=[DEFAULT_ROLE], save_embedding_layers=False)
-        name = adapter_name("bench", 0, adapter_dir / PEFT_ADAPTER_FILE)
-        client = VllmSampler(args.vllm_url)
-        client.wait_ready()
-        client.load_adapter(name, adapter_dir)
-        allowed = [i for i in range(vocab) if i not in set(policy.distribution.suppressed_ids)]
-        http = httpx.Client(base_url=args.vllm_url, timeout=3600)
-
-        def direct() -> int:
-            body = {"model": name, "prompt": prompts, "n": args.group, "max_tokens": args.tokens, "temperature": 1.0}
-            answer = http.post("/v1/completions", json=body).raise_for_status().json()
-            return answer["usage"]["completion_tokens"]
-
-        def ours() -> int:
-            drawn = client.sample(name, prompts, args.group, args.tokens, 1.0, 0, policy.end_of_turn_ids, allowed)
-            return sum(len(c.completion_ids) for c in drawn)
-
-        with console.status("vllm direct ..."):
-            rate("vllm direct", direct)
-        with console.status("vllm ours ..."):
-            rate("vllm ours", ours)
-
-    title = (
-        f"{'tiny' if args.tiny else 'Qwen3-4B'} random, {dtype}, {args.prompts} prompts x {args.group} x {args.tokens}"
+    rate(
+        "hf",
+        lambda: sum(
+            len(c.completion_ids) for c in sample_completions(policy, prompts, args.group, args.tokens, args.batch, 0)
+        ),
     )
+    engine = None
+    url = args.vllm_url
+    if args.engine:
+        with console.status("starting the engine ..."):
+            engine, url = start_engine(args.engine, folder, dtype, folder.parent / f"{folder.name}-engine.log")
+    try:
+        if url:
+            adapter_dir = folder.parent / f"{folder.name}-adapter"
+            policy.model.save_pretrained(adapter_dir, selected_adapters=[DEFAULT_ROLE], save_embedding_layers=False)
+            name = adapter_name("bench", 0, adapter_dir / PEFT_ADAPTER_FILE)
+            client = VllmSampler(url)
+            client.wait_ready()
+            client.load_adapter(name, adapter_dir)
+            suppressed = sorted(set(policy.distribution.suppressed_ids))
+            allowed = [i for i in range(vocab) if i not in set(suppressed)]
+            http = httpx.Client(base_url=url, timeout=3600)
+            plain = {"model": name, "prompt": prompts, "n": args.group, "max_tokens": args.tokens, "temperature": 1.0}
+            plain |= {"top_k": 0, "top_p": 1.0, "stop_token_ids": [vocab - 1]}
+            variants = {
+                "vllm direct": {},
+                "+ logprobs": {"logprobs": 0, "return_token_ids": True},
+                "+ seed": {"seed": 0},
+                "+ allowed ids": {"allowed_token_ids": allowed},
+                "+ logit bias": {"logit_bias": {str(i): -100 for i in suppressed}},
+            }
+            for label, extra in variants.items():
+
+                def direct(extra=extra) -> int:
+                    answer = http.post("/v1/completions", json=plain | extra).raise_for_status().json()
+                    return answer["usage"]["completion_tokens"]
+
+                rate(label, direct)
+
+            def ours() -> int:
+                drawn = client.sample(
+                    name, prompts, args.group, args.tokens, 1.0, 0, policy.end_of_turn_ids, suppressed
+                )
+                return sum(len(c.completion_ids) for c in drawn)
+
+            rate("vllm ours", ours)
+    finally:
+        if engine is not None:
+            os.killpg(engine.pid, signal.SIGTERM)
+            engine.wait(60)
+
+    title = f"Qwen3 {args.shape} random, {dtype}, {args.device}, {args.prompts} prompts x {args.group} x {args.tokens}"
     table = Table(title=title)
-    for column in ("sampler", "completion tokens / s", "ratio to hf"):
+    for column in ("sampler", "completion tokens / s", "ratio to hf", "ratio to vllm direct"):
         table.add_column(column, justify="right")
-    for name, value in rates.items():
-        table.add_row(name, f"{value:,.0f}", f"{value / rates['hf']:.2f}x")
+    for label, value in rates.items():
+        direct_ratio = f"{value / rates['vllm direct']:.2f}x" if "vllm direct" in rates and label != "hf" else ""
+        table.add_row(label, f"{value:,.0f}", f"{value / rates['hf']:.2f}x", direct_ratio)
     console.print(table)
     if "vllm ours" in rates:
         console.print(f"ours / vLLM direct: [bold]{rates['vllm ours'] / rates['vllm direct']:.2f}x[/] (target >= 0.8)")

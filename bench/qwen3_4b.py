@@ -21,10 +21,15 @@ QWEN3_4B = {
 }
 TINY = {**QWEN3_4B, "hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 4}
 TINY.update(num_key_value_heads=2, head_dim=16, vocab_size=4096)
+# Hidden 512 x 8 layers with Qwen3's vocabulary: the CPU benchmarks' engine-sized model (vocabulary-sized tensors)
+SMALL = {**QWEN3_4B, "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 4}
+SMALL.update(num_key_value_heads=2, head_dim=128)
+SHAPES = {"4b": QWEN3_4B, "small": SMALL, "tiny": TINY}
 
 
-def build(folder: Path, tiny: bool = False) -> Path:
-    """Save the model (bfloat16) and the embedded tokenizer to `folder` once; return it."""
+def build(folder: Path, tiny: bool = False, shape: str | None = None) -> Path:
+    """Save the model (bfloat16) of `shape` (4b, small or tiny; `tiny=True`: tiny) and the embedded tokenizer to
+    `folder` once; return it."""
     if (folder / "config.json").exists():
         return folder
     import torch
@@ -36,7 +41,7 @@ def build(folder: Path, tiny: bool = False) -> Path:
 
     transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(ModelConfig())
-    config = Qwen3Config(**(TINY if tiny else QWEN3_4B), pad_token_id=tokenizer.pad_token_id)
+    config = Qwen3Config(**SHAPES[shape or ("tiny" if tiny else "4b")], pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         # built in bfloat16 directly: a float32 copy first would need twice the memory (16 GB at 4B)

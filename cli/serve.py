@@ -100,8 +100,8 @@ def serve_sampler(
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (sampling.vllm_url of the run).")] = 8100,
     kv_cache_gib: Annotated[
-        float, typer.Option(help="CPU build only: memory for the KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE).")
-    ] = 4.0,
+        int, typer.Option(help="CPU build only: memory for the KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    ] = 4,
     print_only: Annotated[
         bool, typer.Option("--print", help="Print the command and its environment; start nothing.")
     ] = False,

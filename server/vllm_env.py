@@ -45,6 +45,7 @@ class Engine:
 
     launcher: tuple[str, ...]
     cpu: bool
+    preload: tuple[str, ...] = ()  # libraries the CPU build runs faster with (LD_PRELOAD), those that are there
 
     @classmethod
     def executable(cls, vllm: str) -> Engine:
@@ -60,8 +61,20 @@ class Engine:
                 f"{folder} is not a vLLM environment made by `redteam-grpo install-sampler` (no {MARKER}): "
                 f"run `redteam-grpo install-sampler --into {folder}`"
             )
-        device = json.loads(marker.read_text())["device"]
-        return cls((str(python_of(folder)), "-m", API_SERVER, "--model"), cpu=device == "cpu")
+        cpu = json.loads(marker.read_text())["device"] == "cpu"
+        return cls((str(python_of(folder)), "-m", API_SERVER, "--model"), cpu, cpu_preload(folder) if cpu else ())
+
+
+# tcmalloc as Debian and Ubuntu install it (`apt-get install libtcmalloc-minimal4`)
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def cpu_preload(folder: Path) -> tuple[str, ...]:
+    """What vLLM's CPU documentation asks to preload, where present: tcmalloc (the system's) and Intel's OpenMP
+    runtime (libiomp5, which the CPU build installs into the environment). Without them the engine only warns."""
+    found = [path for path in TCMALLOC if Path(path).is_file()][:1]
+    found += [str(path) for path in sorted((folder / "lib").glob("libiomp5.so"))]
+    return tuple(found)
 
 
 def python_of(folder: Path) -> Path:

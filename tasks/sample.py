@@ -197,9 +197,6 @@ def vllm_draw(res: RunResources, version: int, seed: int) -> Callable[[list[list
     """The vLLM server's sampler with the adapter of `version` loaded; the same contract as the in-process one."""
     cfg, policy = res.config, res.policy
     adapter = res.vllm_adapter(version)
-    vocab_size = policy.model.get_input_embeddings().num_embeddings
-    suppressed = set(policy.distribution.suppressed_ids)
-    allowed = [i for i in range(vocab_size) if i not in suppressed]
 
     def draw(prompt_ids: list[list[int]]) -> list[Completion]:
         stage_logger().info("sampling with the vLLM server at %s, adapter %s", cfg.sampling.vllm_url, adapter)
@@ -211,7 +208,7 @@ def vllm_draw(res: RunResources, version: int, seed: int) -> Callable[[list[list
             cfg.sampling.temperature,
             seed,
             policy.end_of_turn_ids,
-            allowed,
+            policy.distribution.suppressed_ids,
         )
 
     return draw

@@ -104,6 +104,10 @@ def build_app(model: str, logprob_noise: float = 0.0) -> FastAPI:
         vocab = base.get_input_embeddings().num_embeddings
         allowed = body.get("allowed_token_ids")
         suppressed = tuple(sorted(set(range(vocab)) - set(allowed))) if allowed else ()
+        bias = body.get("logit_bias") or {}
+        if any(b > -100 for b in bias.values()):
+            return _error(400, "this stand-in applies a logit bias of -100 (suppression) only")
+        suppressed = tuple(sorted({*suppressed, *(int(k) for k in bias)}))
         stops = list(body.get("stop_token_ids") or [])
         if base.generation_config.eos_token_id is not None:  # vLLM stops on the model's eos too
             eos = base.generation_config.eos_token_id

@@ -127,7 +127,7 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
 def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
     sampler = VllmSampler(engine.url, retries=0)
     with pytest.raises(SamplerError, match="refused the request: HTTP 404"):
-        sampler.sample("never-loaded", [[1, 2, 3]], 2, 4, 1.0, 0, [2], list(range(100)))
+        sampler.sample("never-loaded", [[1, 2, 3]], 2, 4, 1.0, 0, [2], [])
 
 
 def test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_lives_on(engine):
@@ -137,18 +137,37 @@ def test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_l
     prompts = torch.randint(10, 800, (40, 64), generator=generator).tolist()
     base = resolve_model_name(ModelConfig().policy)
     sampler = VllmSampler(engine.url, retries=0)
-    completions = sampler.sample(base, prompts, 2, 4, 1.0, 0, [2], list(range(800)))
+    completions = sampler.sample(base, prompts, 2, 4, 1.0, 0, [2], [])
     assert len(completions) == 80 and all(c.completion_ids for c in completions)
-    assert len(sampler.sample(base, prompts[:1], 2, 4, 1.0, 1, [2], list(range(800)))) == 2  # still serving
+    assert len(sampler.sample(base, prompts[:1], 2, 4, 1.0, 1, [2], [])) == 2  # still serving
+
+
+def test_suppressing_by_logit_bias_draws_the_same_tokens_with_the_same_logprobs_as_allowed_ids(engine):
+    # the client forbids the few suppressed ids by a bias of -100 (free) instead of listing every other id (12 % of
+    # the throughput at Qwen3's vocabulary, bench 5): the same seed must give the same draw, to float32
+    policy = load_policy(ModelConfig(dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
+    prompt_ids = [format_prompt_ids(policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
+    suppressed = sorted(policy.distribution.suppressed_ids)
+    vocab = policy.model.get_input_embeddings().num_embeddings
+    body = {"model": resolve_model_name(ModelConfig().policy), "prompt": prompt_ids, "n": 4, "max_tokens": 24}
+    body |= {"temperature": 0.7, "top_k": 0, "seed": 3, "logprobs": 0, "return_token_ids": True}
+    by_list = body | {"allowed_token_ids": [i for i in range(vocab) if i not in set(suppressed)]}
+    by_bias = body | {"logit_bias": {str(i): -100 for i in suppressed}}
+    answers = [
+        httpx.post(engine.url + "/v1/completions", json=b, timeout=300).json()["choices"] for b in (by_list, by_bias)
+    ]
+    for listed, biased in zip(*answers, strict=True):
+        assert listed["token_ids"] == biased["token_ids"]
+        assert listed["logprobs"]["token_logprobs"] == pytest.approx(biased["logprobs"]["token_logprobs"], abs=1e-6)
+    assert sum(len(c["token_ids"]) for c in answers[0]) > 100
 
 
 def test_on_the_engine_bfloat16_passes_the_first_update_check_and_each_misalignment_is_refused(engine):
     policy = load_policy(ModelConfig(dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
     base = resolve_model_name(ModelConfig().policy)  # the served base model's name: no adapter
     prompt_ids = [format_prompt_ids(policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
-    vocab = policy.model.get_input_embeddings().num_embeddings
-    allowed = [i for i in range(vocab) if i not in set(policy.distribution.suppressed_ids)]
-    completions = VllmSampler(engine.url).sample(base, prompt_ids, 4, 24, 0.7, 0, policy.end_of_turn_ids, allowed)
+    suppressed = policy.distribution.suppressed_ids
+    completions = VllmSampler(engine.url).sample(base, prompt_ids, 4, 24, 0.7, 0, policy.end_of_turn_ids, suppressed)
     batch = TrainBatch(
         prompt_ids=[prompt_ids[c.prompt_index] for c in completions],
         completion_ids=[c.completion_ids for c in completions],

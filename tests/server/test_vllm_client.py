@@ -33,11 +33,6 @@ def _export(policy, folder):
     return adapter_name("run", 0, folder / PEFT_ADAPTER_FILE)
 
 
-def _allowed(policy):
-    vocab = policy.model.get_input_embeddings().num_embeddings
-    return [i for i in range(vocab) if i not in set(policy.distribution.suppressed_ids)]
-
-
 def test_completions_fill_the_rollouts_contract_with_the_adapters_logprobs(stand_in, tiny_policy, tmp_path):
     name = _export(tiny_policy, tmp_path / "adapter")
     client = VllmSampler("http://testserver", http=stand_in)
@@ -45,7 +40,7 @@ def test_completions_fill_the_rollouts_contract_with_the_adapters_logprobs(stand
     prompt_ids = [format_prompt_ids(tiny_policy.tokenizer, p, None) for p in PROMPTS]
     eot = tiny_policy.end_of_turn_ids
     completions = client.sample(
-        name, prompt_ids, 4, 16, tiny_policy.distribution.temperature, 5, eot, _allowed(tiny_policy)
+        name, prompt_ids, 4, 16, tiny_policy.distribution.temperature, 5, eot, tiny_policy.distribution.suppressed_ids
     )
 
     assert [(c.prompt_index, c.sample_idx) for c in completions] == [(p, g) for p in range(3) for g in range(4)]
@@ -74,7 +69,9 @@ def test_loading_again_unloading_and_an_unknown_adapter_follow_vllms_answers(sta
     again.unload_adapter(name)
     again.unload_adapter(name)  # 404: nothing to unload
     with pytest.raises(SamplerError, match="HTTP 404"):
-        again.sample(name, [[1, 2, 3]], 2, 4, 1.0, 0, tiny_policy.end_of_turn_ids, _allowed(tiny_policy))
+        again.sample(
+            name, [[1, 2, 3]], 2, 4, 1.0, 0, tiny_policy.end_of_turn_ids, tiny_policy.distribution.suppressed_ids
+        )
 
 
 def _answering(body):
@@ -91,7 +88,7 @@ def test_a_response_from_another_adapter_is_refused():
     body = {"model": "run-v3-0123456789ab", "choices": [_choice(0, [5, 6], [-1.0, -2.0], "length")]}
     client = VllmSampler("http://sampler", http=_answering(body))
     with pytest.raises(SamplerError, match="not from the policy being trained"):
-        client.sample("run-v4-ba9876543210", [[1, 2]], 1, 2, 1.0, 0, [9], list(range(10)))
+        client.sample("run-v4-ba9876543210", [[1, 2]], 1, 2, 1.0, 0, [9], [7])
 
 
 @pytest.mark.parametrize(
@@ -100,13 +97,14 @@ def test_a_response_from_another_adapter_is_refused():
         (_choice(0, [5, 9, 6], [-1.0, -1.0, -1.0], "length"), "past an end-of-turn token"),
         (_choice(0, [5, 6], [-1.0], "length"), "without a logprob"),
         (_choice(0, [5, 6], [-1.0, -9999.0], "length"), "probability 0"),
+        (_choice(0, [5, 7], [-1.0, -1.0], "length"), "suppressed ids"),  # a bias the server did not apply
         ({"index": 0, "finish_reason": "length", "logprobs": None}, "no token ids or logprobs"),
     ],
 )
 def test_answers_outside_the_rollouts_contract_are_refused(choice, message):
     client = VllmSampler("http://sampler", http=_answering({"model": "a", "choices": [choice]}))
     with pytest.raises(SamplerError, match=message):
-        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], list(range(10)))
+        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], [7])
 
 
 def test_a_url_no_request_can_be_sent_to_names_the_setting():
@@ -114,13 +112,13 @@ def test_a_url_no_request_can_be_sent_to_names_the_setting():
     with pytest.raises(SamplerError, match=r"check sampling\.vllm_url"):
         client.wait_ready(timeout_s=1)
     with pytest.raises(SamplerError, match=r"check sampling\.vllm_url"):
-        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], list(range(10)))
+        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], [7])
 
 
 def test_an_unreachable_server_is_an_error_that_names_the_way_out():
     client = VllmSampler("http://127.0.0.1:9", retries=1, backoff_s=0.0, timeout_s=2)
     with pytest.raises(SamplerError, match="serve-sampler"):
-        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], list(range(10)))
+        client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], [7])
 
 
 def test_an_adapters_name_is_a_digest_of_its_weights(tiny_policy, tmp_path):
