@@ -14,8 +14,7 @@
   scorer name and revision is checked against that first answer too (a server restarted with another model).
 - Splits large batches to stay under the server's advertised limits.
 
-The retry loop is written here (a dozen lines) rather than taken from a library: httpx's transport retries
-cover connection errors only, and the loop must also log each retry through the stage's logger.
+The retry loop is the one of `server/retry.py`, shared with the vLLM sampler's client.
 """
 
 from __future__ import annotations
@@ -34,12 +33,9 @@ import torch
 from redteam_grpo.core.config import RewardConfig
 from redteam_grpo.core.scorers import Context, ModelInfo, TextScore
 from redteam_grpo.core.scoring import ServiceInfo
+from redteam_grpo.server.retry import RETRIED_STATUS, RetriesExhausted, send_with_retries
 
 log = logging.getLogger("redteam_grpo.reward_client")
-MAX_BACKOFF_S = 30.0
-# What a later attempt can get past: the server or a proxy was unreachable, slow, restarting or loading.
-RETRIED_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
-RETRIED_STATUS = frozenset({502, 503, 504})
 
 
 class RewardServiceError(RuntimeError):
@@ -82,49 +78,49 @@ class RewardClient:
     # -- transport ----------------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, payload: dict[str, Any] | None = None, retry_status=None):
-        """The JSON body of a 2xx answer, after retries. `retry_status(response)` False on a retried status:
-        return None (the caller polls instead)."""
-        last = ""
+        """The JSON body of a 2xx answer, after retries (server/retry.py). `retry_status(response)` False on a
+        retried status: return None (the caller polls instead)."""
         request_id = uuid.uuid4().hex  # one id for every attempt: the server's log lines carry it
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
-                self.get_logger().warning(
-                    "reward server %s%s: %s; retry %d/%d in %.1f s", self.url, path, last, attempt, self.retries, delay
-                )
-                time.sleep(delay)
-            try:
-                response = self.http.request(method, path, json=payload, headers={"X-Request-ID": request_id})
-            except RETRIED_ERRORS as exc:  # refused, reset, DNS, timeout, closed before answering
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            except httpx.TransportError as exc:  # a URL or request no attempt can send (e.g. no http:// scheme)
-                raise RewardServiceError(
-                    f"cannot send a request to reward server {self.url}{path} ({type(exc).__name__}: {exc}); "
-                    "check reward.url"
-                ) from None
-            if response.status_code in RETRIED_STATUS:
-                if retry_status is not None and not retry_status(response):
-                    return None
-                last = f"HTTP {response.status_code}: {self._detail(response)}"
-                continue
-            if response.status_code >= 500:
-                raise RewardServiceError(
-                    f"reward server {self.url}{path} failed on the request (HTTP {response.status_code}, "
-                    f"request id {request_id}): {self._detail(response)}. Not retried: the same texts would fail "
-                    "again. The server's log holds the error under that request id."
-                )
-            if response.status_code >= 400:
-                raise RewardServiceError(
-                    f"reward server {self.url}{path} refused the request (HTTP {response.status_code}): "
-                    f"{self._detail(response)}"
-                )
-            return response.json()
-        raise RewardServiceUnavailable(
-            f"reward server {self.url}{path} failed {self.retries + 1} times; last: {last}. Start it "
-            "(`redteam-grpo serve-reward`) or unset reward.url to score in-process, then resume the run "
-            "(`redteam-grpo run --resume RUN_DIR`): the score stage is re-run, nothing before it."
-        )
+
+        def on_retry(retry: int, delay: float, last: str) -> None:
+            self.get_logger().warning(
+                "reward server %s%s: %s; retry %d/%d in %.1f s", self.url, path, last, retry, self.retries, delay
+            )
+
+        try:
+            response = send_with_retries(
+                lambda: self.http.request(method, path, json=payload, headers={"X-Request-ID": request_id}),
+                self.retries,
+                self.backoff_s,
+                describe=lambda response: f"HTTP {response.status_code}: {self._detail(response)}",
+                retry_status=retry_status,
+                on_retry=on_retry,
+            )
+        except httpx.TransportError as exc:  # a URL or request no attempt can send (e.g. no http:// scheme)
+            raise RewardServiceError(
+                f"cannot send a request to reward server {self.url}{path} ({type(exc).__name__}: {exc}); "
+                "check reward.url"
+            ) from None
+        except RetriesExhausted as exc:
+            raise RewardServiceUnavailable(
+                f"reward server {self.url}{path} failed {self.retries + 1} times; last: {exc.last}. Start it "
+                "(`redteam-grpo serve-reward`) or unset reward.url to score in-process, then resume the run "
+                "(`redteam-grpo run --resume RUN_DIR`): the score stage is re-run, nothing before it."
+            ) from None
+        if response.status_code in RETRIED_STATUS:  # declined by retry_status
+            return None
+        if response.status_code >= 500:
+            raise RewardServiceError(
+                f"reward server {self.url}{path} failed on the request (HTTP {response.status_code}, "
+                f"request id {request_id}): {self._detail(response)}. Not retried: the same texts would fail "
+                "again. The server's log holds the error under that request id."
+            )
+        if response.status_code >= 400:
+            raise RewardServiceError(
+                f"reward server {self.url}{path} refused the request (HTTP {response.status_code}): "
+                f"{self._detail(response)}"
+            )
+        return response.json()
 
     @staticmethod
     def _detail(response: httpx.Response) -> str:

@@ -15,7 +15,7 @@ runtime. It fills the rollouts contract of the in-process sampler (`core/samplin
   (`model`), and a response from another adapter is refused (`SamplerError`).
 
 `redteam-grpo serve-sampler` starts a server with these settings. The client retries what waiting can fix
-(connection errors, 502/503/504), as the reward server's client does.
+(connection errors, 502/503/504) with the reward server's client's loop (`server/retry.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from redteam_grpo.core.sampling import Completion
-from redteam_grpo.server.client import MAX_BACKOFF_S, RETRIED_ERRORS, RETRIED_STATUS
+from redteam_grpo.server.retry import RETRIED_ERRORS, RetriesExhausted, send_with_retries
 from redteam_grpo.server.vllm_env import Engine
 
 ZERO_PROBABILITY = -9999.0  # vLLM's JSON for a logprob of -inf
@@ -104,26 +104,19 @@ class VllmSampler:
         self.loaded: set[str] = set()
 
     def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            try:
-                response = self.http.post(path, json=payload)
-                if response.status_code not in RETRIED_STATUS:
-                    return response
-                problem = f"HTTP {response.status_code}"
-            except RETRIED_ERRORS as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            except httpx.TransportError as exc:  # a URL no attempt can send to (e.g. no http:// scheme)
-                raise SamplerError(
-                    f"cannot send a request to the vLLM sampler at {self.url} ({type(exc).__name__}: {exc}); "
-                    "check sampling.vllm_url"
-                ) from None
-            if attempt == self.retries:
-                raise SamplerError(
-                    f"the vLLM sampler at {self.url} did not answer {path} ({problem}) after {self.retries} retries: "
-                    "is `redteam-grpo serve-sampler` (or `vllm serve`) running there? Resume the run when it is."
-                )
-            time.sleep(min(self.backoff_s * 2**attempt, MAX_BACKOFF_S))
-        raise AssertionError("unreachable")
+        """The first answer that is not retried (server/retry.py)."""
+        try:
+            return send_with_retries(lambda: self.http.post(path, json=payload), self.retries, self.backoff_s)
+        except RetriesExhausted as exc:
+            raise SamplerError(
+                f"the vLLM sampler at {self.url} did not answer {path} ({exc.last}) after {self.retries} retries: "
+                "is `redteam-grpo serve-sampler` (or `vllm serve`) running there? Resume the run when it is."
+            ) from None
+        except httpx.TransportError as exc:  # a URL no attempt can send to (e.g. no http:// scheme)
+            raise SamplerError(
+                f"cannot send a request to the vLLM sampler at {self.url} ({type(exc).__name__}: {exc}); "
+                "check sampling.vllm_url"
+            ) from None
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait for GET /health (the server refuses connections while it loads the model)."""
