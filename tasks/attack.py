@@ -2,8 +2,9 @@
 
 The goals are the iteration's draw of data.source; the attacker's adapter and its system prompt come from the
 run's initial checkpoint (`tasks/checkpoint.py: initialize_stage` copies them in), so the run never depends on
-the attacker's own run folder after it starts. The file has the rollouts schema: prompt_id is the goal's id,
-prompt the goal, completion the attacker's prompt, with ids and logprobs as drawn.
+the attacker's own run folder after it starts. With sampling.backend=vllm the attacker samples on the engine too,
+its adapter loaded beside the defender's on the one served base. The file has the rollouts schema: prompt_id is the
+goal's id, prompt the goal, completion the attacker's prompt, with ids and logprobs as drawn.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage.stages import ATTACK
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
-from redteam_grpo.tasks.sample import rollouts_stats, sample_rollouts
+from redteam_grpo.tasks.sample import rollouts_stats, sample_rollouts, vllm_draw
 
 
 @task(name=ATTACK.name, cache_policy=NO_CACHE)
@@ -34,6 +35,11 @@ def attack_stage(run_dir: str, iteration: int) -> str:
         goals = prompts_for_iteration(
             res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
         )
+        seed = derive_seed(cfg.run.seed, "attack", iteration)
+        draw = None
+        if cfg.sampling.backend == "vllm":  # the attacker's adapter beside the defender's on the served base
+            d = cfg.defense
+            draw = vllm_draw(res, iteration - 1, seed, ATTACKER, d.prompts_per_goal, d.attacker_max_new_tokens)
         with res.policy.role(ATTACKER):
             table = sample_rollouts(
                 res.policy,
@@ -45,7 +51,8 @@ def attack_stage(run_dir: str, iteration: int) -> str:
                 cfg.defense.prompts_per_goal,
                 cfg.defense.attacker_max_new_tokens,
                 cfg.sampling.batch_size,
-                derive_seed(cfg.run.seed, "attack", iteration),
+                seed,
+                draw,
                 speaker=ATTACKER_SPEAKER,
             )
         return table, rollouts_stats(table, res.policy)

@@ -43,6 +43,7 @@ class RunResources:
     _embedder: object | None = field(default=None, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
     _vllm: VllmSampler | None = field(default=None, repr=False)
+    _served: dict[str, str] = field(default_factory=dict, repr=False)  # the adapter name the server holds per role
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # the owner's run of the flow these serve
 
     @property
@@ -123,24 +124,33 @@ class RunResources:
             self._vllm = sampler
         return self._vllm
 
-    def vllm_adapter(self, version: int) -> str:
-        """sampling.backend=vllm: the adapter of `version` (-1: initial), exported in PEFT's format to the run's
-        `sampler/` folder and loaded in the vLLM server; its name, which names these very weights (a digest), so a
-        response can be checked against it. The adapter of the version before is unloaded."""
+    def vllm_adapter(self, version: int, role: str = DEFAULT_ROLE) -> str:
+        """sampling.backend=vllm: `role`'s adapter after `version` (-1: initial), exported in PEFT's format to the
+        run's `sampler/` folder and loaded in the vLLM server; its name, which names these very weights (a digest),
+        so a response can be checked against it. The role's adapter of the version before is unloaded; the other
+        role's stays (defense: the attacker and the defender are two adapters on the one served base)."""
         self.ensure_version(version)
-        folder = self.run.sampler_dir / ("adapter-init" if version == INIT_VERSION else f"adapter-{version:04d}")
+        stem = "adapter" if role == DEFAULT_ROLE else f"{role}-adapter"
+        folder = self.run.sampler_dir / (f"{stem}-init" if version == INIT_VERSION else f"{stem}-{version:04d}")
         # written anew each time from the weights in memory (a redone iteration has new ones), then swapped in
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = folder.with_name(folder.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        self.policy.model.save_pretrained(staging, selected_adapters=[DEFAULT_ROLE], save_embedding_layers=False)
+        self.policy.model.save_pretrained(staging, selected_adapters=[role], save_embedding_layers=False)
+        if role != DEFAULT_ROLE:  # PEFT writes any other adapter into a subfolder named after it
+            (staging / role).rename(staging.with_name(staging.name + ".role"))
+            shutil.rmtree(staging)
+            staging.with_name(staging.name + ".role").rename(staging)
         if folder.exists():
             shutil.rmtree(folder)
         staging.rename(folder)
-        name = adapter_name(self.run.run_id, version, folder / PEFT_ADAPTER_FILE)
-        for stale in [n for n in self.vllm.loaded if n != name]:
+        owner = self.run.run_id if role == DEFAULT_ROLE else f"{self.run.run_id}-{role}"
+        name = adapter_name(owner, version, folder / PEFT_ADAPTER_FILE)
+        stale = self._served.get(role)
+        if stale is not None and stale != name and stale in self.vllm.loaded:
             self.vllm.unload_adapter(stale)
         self.vllm.load_adapter(name, folder)
+        self._served[role] = name
         return name
 
     def ensure_version(self, version: int) -> None:

@@ -19,7 +19,7 @@ from redteam_grpo.core.data import Prompt, check_prompt_lengths, prompts_for_ite
 from redteam_grpo.core.diagnostics import RolloutStats, rollout_stats
 from redteam_grpo.core.dialogue import ATTACKER_SPEAKER, POLICY_SPEAKER, DialogueTurn, TurnGlue, sample_dialogues
 from redteam_grpo.core.policy import Policy
-from redteam_grpo.core.roles import ATTACKER
+from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.sampling import Completion, sample_completions
 from redteam_grpo.core.shards import shard_seed, shard_span
 from redteam_grpo.storage import schemas
@@ -193,18 +193,26 @@ def rollouts_stats(table: pa.Table, policy: Policy) -> RolloutStats:
     )
 
 
-def vllm_draw(res: RunResources, version: int, seed: int) -> Callable[[list[list[int]]], list[Completion]]:
-    """The vLLM server's sampler with the adapter of `version` loaded; the same contract as the in-process one."""
+def vllm_draw(
+    res: RunResources,
+    version: int,
+    seed: int,
+    role: str = DEFAULT_ROLE,
+    group_size: int | None = None,
+    max_new_tokens: int | None = None,
+) -> Callable[[list[list[int]]], list[Completion]]:
+    """The vLLM server's sampler with `role`'s adapter of `version` loaded; the same contract as the in-process one.
+    `group_size` and `max_new_tokens`: sampling's unless given (the attacker's are defense settings)."""
     cfg, policy = res.config, res.policy
-    adapter = res.vllm_adapter(version)
+    adapter = res.vllm_adapter(version, role)
 
     def draw(prompt_ids: list[list[int]]) -> list[Completion]:
         stage_logger().info("sampling with the vLLM server at %s, adapter %s", cfg.sampling.vllm_url, adapter)
         return res.vllm.sample(
             adapter,
             prompt_ids,
-            cfg.sampling.group_size,
-            cfg.sampling.max_new_tokens,
+            group_size or cfg.sampling.group_size,
+            max_new_tokens or cfg.sampling.max_new_tokens,
             cfg.sampling.temperature,
             seed,
             policy.end_of_turn_ids,

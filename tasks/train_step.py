@@ -80,9 +80,7 @@ def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_p
     cfg = res.config
     attacker = learner is ATTACKER_LEARNER
     max_new_tokens = cfg.defense.attacker_max_new_tokens if attacker else cfg.sampling.max_new_tokens
-    # the attacker's prompts are sampled in this process (tasks/attack.py); the policy's by sampling.backend
-    sampler = "hf" if attacker else cfg.sampling.backend
-    batch = train_batch(res.run, learner, iteration, max_new_tokens, sampler)
+    batch = train_batch(res.run, learner, iteration, max_new_tokens, cfg.sampling.backend)
     if attacker:
         res.ensure_attacker(iteration - 1)  # the defender may already hold this iteration's update
     else:

@@ -27,10 +27,11 @@ from redteam_grpo.core.policy import load_policy, resolve_model_name
 from redteam_grpo.core.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
 from redteam_grpo.core.train import policy_gradient_step as step
 from redteam_grpo.flows import attack
+from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.server.vllm_client import SamplerError, VllmSampler
 from redteam_grpo.server.vllm_env import DEFAULT_ENV, installed
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import SAMPLE, TRAIN_STEP
+from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, SAMPLE, TRAIN_STEP
 from tests.core.test_first_update_check import (
     PROMPTS,
     _drop_the_first_prompt_id,
@@ -58,10 +59,11 @@ def engine_env() -> Path:
 
 
 class Engine:
-    """`redteam-grpo serve-sampler` on the embedded policy in bfloat16, on a free loopback port."""
+    """`redteam-grpo serve-sampler` on an embedded policy (the attack default unless named) in bfloat16, on a free
+    loopback port."""
 
-    def __init__(self, env: Path, log: Path):
-        self.env, self.log, self.port = env, log, _free_port()
+    def __init__(self, env: Path, log: Path, policy: str | None = None):
+        self.env, self.log, self.port, self.policy = env, log, _free_port(), policy
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -69,7 +71,13 @@ class Engine:
         args = ["serve-sampler", "--vllm", str(self.env), "--port", str(self.port), "--kv-cache-gib", "1"]
         with self.log.open("a") as out:
             self.proc = subprocess.Popen(
-                [*CLI, *args, "--set", "model.dtype=bfloat16"],
+                [
+                    *CLI,
+                    *args,
+                    "--set",
+                    "model.dtype=bfloat16",
+                    *(["--set", f"model.policy={self.policy}"] * bool(self.policy)),
+                ],
                 cwd=ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -99,8 +107,15 @@ def engine(engine_env, tmp_path_factory):
     served.stop()
 
 
-def _mismatch(run: RunDir, iterations: int) -> pd.DataFrame:
-    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(iterations))
+@pytest.fixture(scope="module")
+def defense_engine(engine_env, tmp_path_factory):
+    served = Engine(engine_env, tmp_path_factory.mktemp("engine") / "engine.log", "embedded:tiny-qwen3-safe").start()
+    yield served
+    served.stop()
+
+
+def _mismatch(run: RunDir, iterations: int, stage=TRAIN_STEP) -> pd.DataFrame:
+    metrics = pd.concat(pd.read_parquet(run.path(stage, i)) for i in range(iterations))
     columns = ["sampler_kl", "first_ratio_abs_dev", "logprob_mismatch_mean", "logprob_mismatch_max"]
     print(metrics[[*columns, "correction_token_share"]].to_string())  # the figures a reader of -s wants
     return metrics
@@ -122,6 +137,29 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
     assert len(served) == 2 and any(name.startswith("real-v0-") for name in served)
     rollouts = pd.read_parquet(run.path(SAMPLE, 1))
     assert rollouts.completion_token_ids.map(len).gt(0).all()
+
+
+@pytest.mark.parametrize("self_play", [False, True])
+def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_the_engine(
+    tmp_path, defense_engine, self_play
+):
+    overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={defense_engine.url}", "run.iterations=2"]
+    overrides += ["data.prompts_per_iteration=4", "sampling.group_size=2", "defense.prompts_per_goal=2"]
+    overrides += [f"defense.self_play={str(self_play).lower()}", f"run.runs_dir={tmp_path}", "run.run_id=def"]
+    run = RunDir.open(Path(defense_run(config=load_config(None, overrides, mode="defense").model_dump(mode="json"))))
+    assert run.manifest()["status"] == "completed"
+    tolerance = first_update_tolerance(TrainingConfig(), torch.bfloat16)
+    stages = [TRAIN_STEP, ATTACK_TRAIN_STEP] if self_play else [TRAIN_STEP]
+    for stage in stages:  # the attacker's prompts came from the engine too: its kernels, not the trainer's
+        metrics = _mismatch(run, 2, stage)
+        assert (metrics.logprob_mismatch_mean > 1e-4).all() and (metrics.sampler_kl < tolerance / 5).all()
+    attacks = pd.read_parquet(run.path(ATTACK, 1))
+    assert attacks.completion_token_ids.map(len).gt(0).all()
+    # two adapters on the one served base: the defender's and the attacker's of the last version
+    served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models").json()["data"]}
+    assert any(name.startswith("def-v0-") for name in served) and any(
+        name.startswith("def-attacker-v0-") for name in served
+    )
 
 
 def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
