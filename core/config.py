@@ -557,14 +557,13 @@ class Config(_Section):
             return self
         refused = {
             "run.mode=sft": self.run.mode == "sft",
-            "sampling.backend=vllm": self.sampling.backend == "vllm",
             "defense.self_play": self.run.mode == "defense" and self.defense.self_play,
         }
         for setting, applies in refused.items():
             if applies:
                 raise ValueError(
-                    f"dialogue.turns={self.dialogue.turns} does not work with {setting} (dialogues are sampled "
-                    "in-process, and the attacker's later turns are not trained): set dialogue.turns=1 or change it"
+                    f"dialogue.turns={self.dialogue.turns} does not work with {setting} (the attacker's later turns "
+                    "are not trained): set dialogue.turns=1 or change it"
                 )
         if self.dialogue.rewards == "per_turn" and self.training.loss == "gspo":
             raise ValueError(

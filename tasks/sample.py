@@ -6,8 +6,9 @@ the policy is the defender; the stage is otherwise the same.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute
@@ -18,7 +19,7 @@ from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import Prompt, check_prompt_lengths, prompts_for_iteration
 from redteam_grpo.core.diagnostics import RolloutStats, rollout_stats
 from redteam_grpo.core.dialogue import ATTACKER_SPEAKER, POLICY_SPEAKER, DialogueTurn, TurnGlue, sample_dialogues
-from redteam_grpo.core.policy import Policy
+from redteam_grpo.core.policy import Policy, resolve_model_name
 from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.sampling import Completion, sample_completions
 from redteam_grpo.core.shards import shard_seed, shard_span
@@ -106,6 +107,41 @@ def rollouts_table(
     )
 
 
+def engine_turns(res: RunResources, iteration: int):
+    """sampling.backend=vllm: the `sample` function and `attacker` context of `sample_dialogues` on the engine. The
+    policy's turns use its adapter; inside `attacker()` the turns use the attacker's adapter (defense) or the served
+    base without one (attack mode's frozen attacker). The ids go as they are, one request per turn."""
+    cfg, policy = res.config, res.policy
+    names = {POLICY_SPEAKER: res.vllm_adapter(iteration - 1)}
+    if cfg.run.mode == "defense":
+        names[ATTACKER_SPEAKER] = res.vllm_adapter(iteration - 1, ATTACKER)
+    else:  # the served base's name: the model the server was started with
+        names[ATTACKER_SPEAKER] = resolve_model_name(cfg.model.policy)
+    speaking = [POLICY_SPEAKER]
+
+    @contextlib.contextmanager
+    def attacker() -> Iterator[None]:
+        speaking.append(ATTACKER_SPEAKER)
+        try:
+            yield
+        finally:
+            speaking.pop()
+
+    def sample(prompt_ids: list[list[int]], max_new_tokens: int, turn_seed: int, group_size: int) -> list[Completion]:
+        return res.vllm.sample(
+            names[speaking[-1]],
+            prompt_ids,
+            group_size,
+            max_new_tokens,
+            cfg.sampling.temperature,
+            turn_seed,
+            policy.end_of_turn_ids,
+            policy.distribution.suppressed_ids,
+        )
+
+    return sample, attacker
+
+
 def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequence[Prompt], seed: int) -> pa.Table:
     """dialogue.turns > 1: `sampling.group_size` dialogues from every prompt (core/dialogue.py: sample_dialogues),
     one row per sampled message, the policy's and the attacker's, each with its prompt ids exactly as fed. The
@@ -138,6 +174,9 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
 
     def sample(prompt_ids: list[list[int]], max_new_tokens: int, turn_seed: int, group_size: int) -> list[Completion]:
         return sample_completions(policy, prompt_ids, group_size, max_new_tokens, cfg.sampling.batch_size, turn_seed)
+
+    if cfg.sampling.backend == "vllm":  # every turn a round trip to the engine, with the speaker's adapter
+        sample, attacker = engine_turns(res, iteration)
 
     records = sample_dialogues(
         sample,

@@ -162,6 +162,30 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
     )
 
 
+def test_a_bfloat16_three_turn_run_samples_every_turn_through_the_engine(tmp_path, engine):
+    overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={engine.url}", "run.iterations=2", *SMALL_RUN]
+    overrides += ["dialogue.turns=3", f"run.runs_dir={tmp_path}", "run.run_id=talk"]
+    attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "talk")
+    assert run.manifest()["status"] == "completed"
+    metrics = _mismatch(run, 2)
+    assert (metrics.logprob_mismatch_mean > 1e-4).all()
+    assert (metrics.sampler_kl < first_update_tolerance(TrainingConfig(), torch.bfloat16) / 5).all()
+    rollouts = pd.read_parquet(run.path(SAMPLE, 1))
+    assert sorted(set(zip(rollouts.turn, rollouts.speaker, strict=True))) == [
+        (0, "policy"),
+        (1, "attacker"),
+        (1, "policy"),
+        (2, "attacker"),
+        (2, "policy"),
+    ]
+    # a later turn's prompt is the turn before's prompt and completion, appended as ids
+    dialogue = rollouts[(rollouts.prompt_id == rollouts.prompt_id[0]) & (rollouts.sample_idx == 0)]
+    policy_turns = dialogue[dialogue.speaker == "policy"].sort_values("turn")
+    first, second = policy_turns.iloc[0], policy_turns.iloc[1]
+    assert list(second.prompt_token_ids[: len(first.prompt_token_ids)]) == list(first.prompt_token_ids)
+
+
 def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
     sampler = VllmSampler(engine.url, retries=0)
     with pytest.raises(SamplerError, match="refused the request: HTTP 404"):
