@@ -17,12 +17,13 @@ from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import load_prompts
 from redteam_grpo.core.policy import load_policy, resolve_device
 from redteam_grpo.core.redteam_metrics import redteam_metrics
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
+from redteam_grpo.tasks.engine import BASE, evaluation_sampler
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -137,10 +138,10 @@ def evaluate_checkpoint(
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
     prompt_ids = [format_prompt_ids(policy.tokenizer, p.text, cfg.model.system_prompt) for p in chosen]
     sampling_seed = derive_seed(seed, "evaluate")
-    args = (prompt_ids, samples_per_prompt, cfg.sampling.max_new_tokens, cfg.sampling.batch_size, sampling_seed)
-    with policy.reference():
-        base = sample_completions(policy, *args)
-    adapter = sample_completions(policy, *args)
+    sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
+    args = (prompt_ids, samples_per_prompt, cfg.sampling.max_new_tokens, sampling_seed)
+    base = sampler.sample(BASE, *args)
+    adapter = sampler.sample(DEFAULT_ROLE, *args)
 
     scoring = scoring_backend(cfg.reward, device)
     scorer = scoring.describe().scorer

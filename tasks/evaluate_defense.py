@@ -33,13 +33,13 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import DataError, Prompt, parse_source, read_source
 from redteam_grpo.core.policy import Policy, load_policy, resolve_device
-from redteam_grpo.core.roles import ATTACKER
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
+from redteam_grpo.tasks.engine import BASE, Sampler, evaluation_sampler
 from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, write_summary
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.score import policy_terms
@@ -102,10 +102,12 @@ def _texts(source: str, setting: str, column: str, id_column: str | None, limit:
     ]
 
 
-def _answers(policy: Policy, prompts: list[Prompt], system: str | None, n: int, max_new: int, batch: int, seed: int):
-    ids = [format_prompt_ids(policy.tokenizer, p.text, system) for p in prompts]
-    completions = sample_completions(policy, ids, n, max_new, batch, seed)
-    texts = policy.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+def _answers(
+    sampler: Sampler, who: str, tokenizer, prompts: list[Prompt], system: str | None, n: int, max_new: int, seed: int
+):
+    ids = [format_prompt_ids(tokenizer, p.text, system) for p in prompts]
+    completions = sampler.sample(who, ids, n, max_new, seed)
+    texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
     return ids, completions, texts
 
 
@@ -147,57 +149,59 @@ def evaluate_defense(
     policy.load_adapter(init / checkpoints.ATTACKER_FILE, ATTACKER)
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
     scoring = scoring_backend(cfg.reward, device)
-    system, max_new, batch = cfg.model.system_prompt, cfg.sampling.max_new_tokens, cfg.sampling.batch_size
+    system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
     references = sft_examples(policy, retention_pairs, system)
-    with policy.role(ATTACKER):
-        _, attacks, attack_texts = _answers(
-            policy,
-            goals,
-            attacker_info["system_prompt"],
-            1,
-            cfg.defense.attacker_max_new_tokens,
-            batch,
-            derive_seed(seed, "evaluate-attack"),
-        )
+    sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
+    _, attacks, attack_texts = _answers(
+        sampler,
+        ATTACKER,
+        policy.tokenizer,
+        goals,
+        attacker_info["system_prompt"],
+        1,
+        cfg.defense.attacker_max_new_tokens,
+        derive_seed(seed, "evaluate-attack"),
+    )
     attacked = [Prompt(f"{goals[c.prompt_index].prompt_id}#0", t) for c, t in zip(attacks, attack_texts, strict=True)]
 
     rows: list[dict[str, Any]] = []
     summary: dict[str, dict[str, float]] = {}
     for label in POLICIES:
-        with policy.reference() if label == "base" else contextlib.nullcontext():
-            for set_name, prompts in (("heldout_goals", attacked), ("prompt_file", fixed), ("benign", benign_rows)):
-                sampling_seed = derive_seed(seed, "evaluate", set_name)
-                ids, completions, texts = _answers(
-                    policy, prompts, system, samples_per_prompt, max_new, batch, sampling_seed
+        who = BASE if label == "base" else DEFAULT_ROLE
+        for set_name, prompts in (("heldout_goals", attacked), ("prompt_file", fixed), ("benign", benign_rows)):
+            sampling_seed = derive_seed(seed, "evaluate", set_name)
+            ids, completions, texts = _answers(
+                sampler, who, policy.tokenizer, prompts, system, samples_per_prompt, max_new, sampling_seed
+            )
+            prompt_texts = [prompts[c.prompt_index].text for c in completions]
+            scores = scoring.score(texts, prompt_texts)
+            harm = [s.harm for s in scores]
+            kl = [math.nan] * len(completions)
+            if set_name == "benign" and label == "defended":
+                kl = policy_terms(
+                    policy,
+                    [ids[c.prompt_index] for c in completions],
+                    [c.completion_ids for c in completions],
+                    cfg.training.micro_batch_size,
+                ).kl
+            for c, text, h, s, k in zip(completions, texts, harm, scores, kl, strict=True):
+                rows.append(
+                    {
+                        "run_id": run.run_id,
+                        "checkpoint": name,
+                        "policy": label,
+                        "set": set_name,
+                        "prompt_id": prompts[c.prompt_index].prompt_id,
+                        "sample_idx": c.sample_idx,
+                        "prompt": prompts[c.prompt_index].text,
+                        "response": text,
+                        "harm": h,
+                        "unsafe": h is not None and h >= success_threshold,
+                        "refusal": bool(s.refusal),
+                        "kl_to_base": k,
+                    }
                 )
-                prompt_texts = [prompts[c.prompt_index].text for c in completions]
-                scores = scoring.score(texts, prompt_texts)
-                harm = [s.harm for s in scores]
-                kl = [math.nan] * len(completions)
-                if set_name == "benign" and label == "defended":
-                    kl = policy_terms(
-                        policy,
-                        [ids[c.prompt_index] for c in completions],
-                        [c.completion_ids for c in completions],
-                        cfg.training.micro_batch_size,
-                    ).kl
-                for c, text, h, s, k in zip(completions, texts, harm, scores, kl, strict=True):
-                    rows.append(
-                        {
-                            "run_id": run.run_id,
-                            "checkpoint": name,
-                            "policy": label,
-                            "set": set_name,
-                            "prompt_id": prompts[c.prompt_index].prompt_id,
-                            "sample_idx": c.sample_idx,
-                            "prompt": prompts[c.prompt_index].text,
-                            "response": text,
-                            "harm": h,
-                            "unsafe": h is not None and h >= success_threshold,
-                            "refusal": bool(s.refusal),
-                            "kl_to_base": k,
-                        }
-                    )
+        with policy.reference() if label == "base" else contextlib.nullcontext():  # perplexity of that model
             summary[label] = _summary(rows, label, policy, references, cfg)
     path = (
         run.root

@@ -7,7 +7,6 @@ run directory, so a resumed or re-run stage always computes on the weights it wo
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.lineage import fresh_prompts
 from redteam_grpo.storage.location import absolute, location
 from redteam_grpo.storage.rundir import INIT_VERSION, DamagedRunError, RunDir
+from redteam_grpo.tasks.engine import export_adapter
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -132,18 +132,8 @@ class RunResources:
         self.ensure_version(version)
         stem = "adapter" if role == DEFAULT_ROLE else f"{role}-adapter"
         folder = self.run.sampler_dir / (f"{stem}-init" if version == INIT_VERSION else f"{stem}-{version:04d}")
-        # written anew each time from the weights in memory (a redone iteration has new ones), then swapped in
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        self.policy.model.save_pretrained(staging, selected_adapters=[role], save_embedding_layers=False)
-        if role != DEFAULT_ROLE:  # PEFT writes any other adapter into a subfolder named after it
-            (staging / role).rename(staging.with_name(staging.name + ".role"))
-            shutil.rmtree(staging)
-            staging.with_name(staging.name + ".role").rename(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
+        # written anew each time from the weights in memory (a redone iteration has new ones)
+        export_adapter(self.policy, role, folder)
         owner = self.run.run_id if role == DEFAULT_ROLE else f"{self.run.run_id}-{role}"
         name = adapter_name(owner, version, folder / PEFT_ADAPTER_FILE)
         stale = self._served.get(role)

@@ -119,7 +119,7 @@ BUG_CLASSES = [
         "tasks/score.py",
         'in_process = cfg.sampling.backend == "hf"',
         "in_process = True",
-        "tests/e2e/test_vllm_backend.py",
+        "tests/e2e/test_vllm_engine.py::test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_set",
     ),
     (
         "hidden-top-k",

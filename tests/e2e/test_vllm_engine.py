@@ -2,8 +2,10 @@
 install-sampler`, which the README's test command runs), started by `redteam-grpo serve-sampler`, in bfloat16.
 
 Without the engine's environment these tests are skipped, except where REDTEAM_GRPO_REQUIRE_VLLM=1 (CI installs it:
-never skip there). The stand-in of tests/doubles/vllm_server.py stays for the one fault a real server cannot be made to
-produce: a response that names another adapter than the one asked for (tests/server/test_vllm_client.py)."""
+never skip there). The stand-in of tests/doubles/vllm_server.py stays for the faults a real server cannot be made to
+produce (tests/server/test_vllm_client.py): a response that names another adapter than the one asked for, a completion
+that runs past an end-of-turn token, a token without a logprob or drawn at probability 0, a suppressed id drawn, other
+prompt ids echoed back."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.server.vllm_client import SamplerError, VllmSampler
 from redteam_grpo.server.vllm_env import DEFAULT_ENV, installed
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, SAMPLE, TRAIN_STEP
+from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, SAMPLE, SCORE, TRAIN_STEP
+from redteam_grpo.tasks.evaluate import evaluate_checkpoint
+from redteam_grpo.tasks.evaluate_defense import evaluate_defense
 from tests.core.test_first_update_check import (
     PROMPTS,
     _drop_the_first_prompt_id,
@@ -130,6 +134,17 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
     metrics = _mismatch(run, 2)
     # another engine's kernels: the logprobs differ a little, far less than the first-update tolerance
     assert (metrics.logprob_mismatch_mean > 1e-4).all()
+    # both kept: the engine's in the rollouts, the trainer's in the scores; the KL to the base is the trainer's on
+    # both sides, so at the zero adapter of iteration 0 it is exactly 0 (engine-logprobs-in-the-kl)
+    for iteration in range(2):
+        rollouts, scores = pd.read_parquet(run.path(SAMPLE, iteration)), pd.read_parquet(run.path(SCORE, iteration))
+        deltas = [
+            abs(s - t)
+            for sampled, trainer in zip(rollouts.sampling_logprobs, scores.policy_logprobs, strict=True)
+            for s, t in zip(sampled, trainer, strict=True)
+        ]
+        assert max(deltas) > 1e-4
+    assert metrics.kl_base_mean.iloc[0] == 0.0
     assert (metrics.sampler_kl < first_update_tolerance(TrainingConfig(), torch.bfloat16) / 5).all()
     assert (metrics.correction_token_share >= 0).all()  # token_truncate is on by default for another engine
     # the server holds the last version's adapter and the base, nothing else
@@ -137,6 +152,12 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
     assert len(served) == 2 and any(name.startswith("real-v0-") for name in served)
     rollouts = pd.read_parquet(run.path(SAMPLE, 1))
     assert rollouts.completion_token_ids.map(len).gt(0).all()
+
+    # the evaluation samples base and trained adapter on the engine too: the base by the served model's name
+    rates = evaluate_checkpoint.fn(str(run.root), None, 4, 2, 0.5, 0)
+    assert set(rates) >= {"base", "adapter"}
+    served = {card["id"] for card in httpx.get(engine.url + "/v1/models").json()["data"]}
+    assert any(name.startswith("real-eval-v1-") for name in served)
 
 
 @pytest.mark.parametrize("self_play", [False, True])
@@ -160,6 +181,11 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
     assert any(name.startswith("def-v0-") for name in served) and any(
         name.startswith("def-attacker-v0-") for name in served
     )
+    if self_play:  # the defense evaluation on the engine: the run's attacker writes, base and defender answer
+        summary = evaluate_defense.fn(str(run.root), None, samples_per_prompt=2, num_prompts=4)
+        assert summary
+        served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models").json()["data"]}
+        assert {"def-eval-v1-", "def-eval-attacker-v1-"} <= {name[: name.rindex("-") + 1] for name in served}
 
 
 def test_a_bfloat16_three_turn_run_samples_every_turn_through_the_engine(tmp_path, engine):

@@ -1,0 +1,114 @@
+"""One sampler interface for the sampling sites that choose a model by name: the base (every adapter off), the trained
+adapter, or the attacker's. `InProcessSampler` draws with `core/sampling.py` under the matching adapter context;
+`EngineSampler` asks the vLLM server for the same names, each adapter exported from the weights in memory and loaded
+under a name that is a digest of them (`server/vllm_client.py: adapter_name`). Evaluation samples through it, so
+sampling.backend=vllm means the engine there as in the stages.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from redteam_grpo.core.policy import Policy, resolve_model_name
+from redteam_grpo.core.roles import DEFAULT_ROLE
+from redteam_grpo.core.sampling import Completion, sample_completions
+from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
+from redteam_grpo.storage.rundir import RunDir, checkpoint_name
+
+BASE = "base"  # the model with every adapter off: the reference, and evaluation's "base"
+
+
+class Sampler(Protocol):
+    def sample(
+        self, who: str, prompt_ids: Sequence[Sequence[int]], group_size: int, max_new_tokens: int, seed: int
+    ) -> list[Completion]:
+        """`group_size` completions of every prompt from `who` (BASE or an adapter's role), in prompt order."""
+        ...
+
+
+@dataclass
+class InProcessSampler:
+    policy: Policy
+    batch_size: int
+
+    def sample(self, who, prompt_ids, group_size, max_new_tokens, seed):
+        context = self.policy.reference() if who == BASE else self.policy.role(who)
+        with context:
+            return sample_completions(self.policy, prompt_ids, group_size, max_new_tokens, self.batch_size, seed)
+
+
+def export_adapter(policy: Policy, role: str, folder: Path) -> Path:
+    """`role`'s adapter in PEFT's format in `folder` (written to a staging folder, then swapped in); its weights."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    policy.model.save_pretrained(staging, selected_adapters=[role], save_embedding_layers=False)
+    if role != DEFAULT_ROLE:  # PEFT writes any other adapter into a subfolder named after it
+        moved = staging.with_name(staging.name + ".role")
+        shutil.rmtree(moved, ignore_errors=True)
+        (staging / role).rename(moved)
+        shutil.rmtree(staging)
+        moved.rename(staging)
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
+    return folder / PEFT_ADAPTER_FILE
+
+
+@dataclass
+class EngineSampler:
+    """The vLLM server at `client`, serving `base_model`; adapters are exported under `folder` as they are asked for."""
+
+    client: VllmSampler
+    policy: Policy
+    base_model: str
+    folder: Path
+    owner: str  # names the adapters (with their version and digest): the run, and what it samples for
+    version: int
+    temperature: float
+    names: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def for_run(cls, url: str, policy: Policy, model: str, folder: Path, owner: str, version: int, temperature: float):
+        client = VllmSampler(url)
+        client.wait_ready()
+        return cls(client, policy, resolve_model_name(model), folder, owner, version, temperature)
+
+    def adapter(self, who: str) -> str:
+        if who == BASE:
+            return self.base_model
+        if who not in self.names:
+            weights = export_adapter(self.policy, who, self.folder / who)
+            owner = self.owner if who == DEFAULT_ROLE else f"{self.owner}-{who}"
+            self.names[who] = adapter_name(owner, self.version, weights)
+            self.client.load_adapter(self.names[who], weights.parent)
+        return self.names[who]
+
+    def sample(self, who, prompt_ids, group_size, max_new_tokens, seed):
+        return self.client.sample(
+            self.adapter(who),
+            prompt_ids,
+            group_size,
+            max_new_tokens,
+            self.temperature,
+            seed,
+            self.policy.end_of_turn_ids,
+            self.policy.distribution.suppressed_ids,
+        )
+
+
+def evaluation_sampler(run: RunDir, policy: Policy, iteration: int) -> InProcessSampler | EngineSampler:
+    """How an evaluation of `run`'s checkpoint `iteration` samples: as the run did (sampling.backend), the adapters in
+    `policy` (loaded from that checkpoint) exported for the engine under RUN/sampler/eval-<checkpoint>/."""
+    cfg = run.stored_config()
+    if cfg.sampling.backend != "vllm":
+        return InProcessSampler(policy, cfg.sampling.batch_size)
+    folder = run.sampler_dir / f"eval-{checkpoint_name(iteration)}"
+    owner = f"{run.run_id}-eval"
+    return EngineSampler.for_run(
+        cfg.sampling.vllm_url, policy, cfg.model.policy, folder, owner, iteration, cfg.sampling.temperature
+    )
