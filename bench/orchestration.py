@@ -71,7 +71,7 @@ def per_iteration(starts: list[float], end: float) -> list[float]:
 
 
 def child_pipeline(iterations: int, overrides: list[str]) -> dict:
-    from redteam_grpo.flows import attack
+    from redteam_grpo.flows import attack, iteration
     from redteam_grpo.storage import rundir
     from redteam_grpo.tasks import advantage, artifacts, checkpoint, common, sample, score, train_step
 
@@ -88,16 +88,16 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
 
     for module in (sample, score, advantage, train_step):
         module.run_table_stage = timed_stage
-    attack.checkpoint_stage.fn = clock.wrap("checkpoint", checkpoint.checkpoint_stage.fn)
-    attack.publish_iteration.fn = clock.wrap("artifacts", artifacts.publish_iteration.fn)
-    iteration_body = attack.attack_iteration.fn
+    iteration.checkpoint_stage.fn = clock.wrap("checkpoint", checkpoint.checkpoint_stage.fn)
+    iteration.publish_iteration.fn = clock.wrap("artifacts", artifacts.publish_iteration.fn)
+    iteration_body = iteration.iteration_flow.fn
 
     def marked_iteration(run_dir, run_id, iteration):
         starts.append(time.perf_counter())
         snapshots.append(dict(clock.seconds))
         return iteration_body(run_dir, run_id, iteration)
 
-    attack.attack_iteration.fn = marked_iteration
+    iteration.iteration_flow.fn = marked_iteration
     with tempfile.TemporaryDirectory() as runs:
         attack.attack_run(
             overrides=[

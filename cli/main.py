@@ -168,8 +168,10 @@ def _run_with_progress(cfg, resume: str | None, redo: str | None, stop, mode: st
     from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of
     from redteam_grpo.flows.defense import defense_run
     from redteam_grpo.flows.sft import sft_run
+    from redteam_grpo.storage.modes import mode_named
 
-    flow, label = {"attack": (attack_run, "GRPO"), "sft": (sft_run, "SFT"), "defense": (defense_run, "defense")}[mode]
+    flow = {"attack": attack_run, "sft": sft_run, "defense": defense_run}[mode]  # the flow of each mode's record
+    label, shown_metric = mode_named(mode).label, mode_named(mode).progress
     metrics_rows: list[dict] = []
     progress = Progress(
         TextColumn(f"[bold]{label}"),
@@ -185,8 +187,7 @@ def _run_with_progress(cfg, resume: str | None, redo: str | None, stop, mode: st
 
         def on_iteration(metrics: dict) -> None:
             metrics_rows.append(metrics)
-            shown = f"loss {metrics['train_loss']:.3f}" if mode == "sft" else f"reward {metrics['reward_mean']:.3f}"
-            progress.update(bar, advance=1, description=shown)
+            progress.update(bar, advance=1, description=f"{shown_metric} {metrics[shown_metric]:.3f}")
 
         try:
             run_dir = flow(

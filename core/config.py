@@ -1,4 +1,4 @@
-"""Run configuration: one pydantic model per stage, composed into `RunConfig`.
+"""Run configuration: one pydantic model per section, composed into `Config` (its `run` section is `RunConfig`).
 
 Every field has a docstring (shown by `redteam-grpo config show`). Every model forbids unknown keys, so a
 mistyped key fails before any work starts and the error names it. The defaults are the embedded run (tiny
@@ -474,7 +474,7 @@ class RuntimeConfig(_Section):
 
 
 class RunConfig(_Section):
-    """The whole configuration of one run."""
+    """The run itself: its mode, directory, length, seed and early stopping (the `run` section of `Config`)."""
 
     mode: Literal["attack", "sft", "defense"] = "attack"
     """What the run trains. `attack`: GRPO on the policy against the harm scorer (red-teaming). `sft`: supervised

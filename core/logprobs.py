@@ -1,10 +1,11 @@
 """The distribution tokens are sampled from, applied identically by the sampler and the trainer.
 
-The sampler hands `SamplingDistribution.process` to `generate` as its only logits processor and records
-`log_softmax` of its output at the drawn token; the trainer applies the same function to its own forward's
-logits. The importance ratio is therefore exactly 1 on the first update (to float tolerance), and any
-transformation `generate` adds on its own (a hidden top-k from a generation config) is caught by a check
-in the sampler.
+The sampler (core/sampling.py) draws each token itself from `SamplingDistribution.process` applied to the model's
+own logits of that step, and records `log_softmax` of it at the drawn token; the trainer applies the same function
+to its own forward's logits. The importance ratio is therefore 1 on the first update up to the rounding of two
+kernels (the first-update check in core/train.py bounds it), and no transformation `generate` adds on its own (a
+hidden top-k from a generation config) can change the distribution: the sampler checks that `generate` kept every
+token it drew.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class RewardTerms:
 def composite_reward(terms: RewardTerms, weights: RewardWeights) -> float:
     """reward = w_tox·harm + w_safe·(1 − harm) + w_nov·novelty − w_ent·entropy − w_rep·repetition − w_ref·refusal
     − w_kl·KL, where harm is the scorer's toxicity / P(unsafe). Red-teaming weighs harm; defense weighs safety and
-    entropy (the defense recipe: safety − w_ent·entropy − w_kl·KL).
+    entropy and refusal (the defense recipe: safety − w_ent·entropy − w_ref·refusal − w_kl·KL).
 
     NaN ("no reward": advantage 0) when the scorer gave no harm score, or novelty or entropy is weighted but
     missing.

@@ -138,14 +138,6 @@ def write_defense_files(folder: Path | None = None) -> list[Path]:
     return written
 
 
-def load_defense_file(name: str) -> list[dict[str, str]]:
-    """One of the bundled `DEFENSE_FILES`, as rows."""
-    if name not in DEFENSE_FILES:
-        raise ValueError(f"{name!r} is not a bundled defense file ({', '.join(DEFENSE_FILES)})")
-    text = resources.files(RESOURCES_PACKAGE).joinpath(name).read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def safe_conversation(
     rng: random.Random, grammar: ToyGrammar, prompts: list[str], recipe: Any
 ) -> tuple[list[dict[str, str]], str]:

@@ -1,4 +1,5 @@
-"""The red-team GRPO run: a parent flow, one subflow run per iteration, five task stages per iteration.
+"""The red-team GRPO run: a parent flow, one subflow run per iteration (flows/iteration.py), five task stages per
+iteration; and the parent loop, ownership and resume that every mode's run flow shares (`run_mode`).
 
     for iteration in range(start, iterations):
         sample -> score -> advantage -> train_step -> checkpoint
@@ -36,57 +37,35 @@ from redteam_grpo.core.config import (
     ConfigError,
     load_config,
     merged_config,
-    mode_defaults,
     validate_config,
 )
 from redteam_grpo.core.data import Prompt, check_prompt_lengths, load_prompts
-from redteam_grpo.core.metrics import log_line
 from redteam_grpo.core.policy import load_tokenizer
 from redteam_grpo.core.stopping import early_stop
+from redteam_grpo.flows.iteration import iteration_flow
 from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_flow_for, ray_session
 from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
-from redteam_grpo.storage.rundir import MODE_COMMANDS, RunDir, RunDirError, new_run_id, parse_redo
-from redteam_grpo.storage.stages import TRAIN_STEP
-from redteam_grpo.tasks.advantage import advantage_stage
-from redteam_grpo.tasks.artifacts import publish_iteration
-from redteam_grpo.tasks.checkpoint import attacker_system_prompt, checkpoint_stage, initialize_stage
+from redteam_grpo.storage.modes import ATTACK_MODE, Mode, mode_of
+from redteam_grpo.storage.rundir import RunDir, RunDirError, new_run_id, parse_redo
+from redteam_grpo.tasks.checkpoint import attacker_system_prompt, initialize_stage
 from redteam_grpo.tasks.logs import stage_logger
-from redteam_grpo.tasks.resources import forget, resources_for
-from redteam_grpo.tasks.sample import sample_stage
-from redteam_grpo.tasks.score import score_stage
-from redteam_grpo.tasks.train_step import train_step_stage
-
-
-@flow(name="redteam-iteration", flow_run_name="{run_id}-iteration-{iteration}", log_prints=True)
-def attack_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]:
-    """One GRPO iteration; returns its metrics row (core/metrics.py)."""
-    sample_stage(run_dir, iteration)
-    score_stage(run_dir, iteration)
-    advantage_stage(run_dir, iteration)
-    train_step_stage(run_dir, iteration)
-    checkpoint_stage(run_dir, iteration)
-    res = resources_for(run_dir)
-    metrics = res.run.read(TRAIN_STEP, iteration).to_pylist()[0]
-    stage_logger().info(log_line(iteration, metrics))
-    if res.config.logging.artifacts:
-        publish_iteration(run_dir, iteration, metrics, res.config.logging.artifact_top_k)
-    return metrics
+from redteam_grpo.tasks.resources import forget
 
 
 def check_inputs(cfg: Config) -> None:
     """Every check of the data a run will read: the prompt source loads and every prompt fits
-    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later). Defense:
-    the goals, formatted with the attacker's system prompt; SFT: the pairs' inputs."""
-    if cfg.run.mode == "sft":
+    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later). With an
+    attacker (defense) the prompts are its goals, formatted with its system prompt; SFT's data are pairs, of which
+    the inputs are checked."""
+    mode = mode_of(cfg)
+    if mode.data == "pairs":
         from redteam_grpo.tasks.sft import training_pairs
 
         prompts = [Prompt(p.pair_id, p.input_text) for p in training_pairs(cfg)]
     else:
         prompts = load_prompts(cfg.data)
-    system_prompt = cfg.model.system_prompt
-    if cfg.run.mode == "defense":
-        system_prompt = attacker_system_prompt(cfg)
+    system_prompt = attacker_system_prompt(cfg) if mode.attacker else cfg.model.system_prompt
     tokenizer = load_tokenizer(cfg.model)
     prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
     check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
@@ -94,7 +73,7 @@ def check_inputs(cfg: Config) -> None:
 
 @contextlib.contextmanager
 def owned_run(
-    config: Config | None, resume: str | Path | None, redo: str | None = None, mode: str = "attack"
+    config: Config | None, resume: str | Path | None, redo: str | None = None, mode: Mode = ATTACK_MODE
 ) -> Iterator[RunDir]:
     """A new run directory for `config`, or the one to resume (its config checked against `config`), owned by
     this process for the duration of the block (storage/ownership.py): a second process is refused at once.
@@ -109,7 +88,7 @@ def owned_run(
     if resume is None:
         if redo is not None:
             raise RunDirError("--redo needs --resume RUN: it recomputes part of an existing run")
-        config = with_run_id(config or validate_config(mode_defaults(mode)))
+        config = with_run_id(config or validate_config(mode.defaults()))
         check_inputs(config)  # before the run directory exists: a bad input leaves nothing behind
         root = RunDir.root_for(config)
         RunDir.check_creatable(root)  # refuse before leaving a lock file in someone else's folder
@@ -161,28 +140,27 @@ def requested_config(
     config_path: str | None,
     overrides: list[str] | None,
     resume: str | Path | None = None,
-    mode: str = "attack",
+    mode: Mode = ATTACK_MODE,
 ) -> Config | None:
     """The config asked for: a nested dict, or a YAML file and/or `key=value` overrides (not both ways), over the
-    defaults of `mode` (the flow's: attack, sft or defense). When a run is resumed, the file and overrides change
-    its stored config, not the defaults; a resumed run must be of the flow's mode."""
+    defaults of `mode` (the flow's). When a run is resumed, the file and overrides change its stored config, not
+    the defaults; a resumed run must be of the flow's mode."""
     if config is not None and (config_path or overrides):
         raise ConfigError("give either config (a dict) or config_path/overrides, not both")
     stored = RunDir.open(resume).stored_config() if resume is not None else None
-    if stored is not None and stored.run.mode != mode:
-        raise ConfigError(
-            f"{resume} is a {stored.run.mode} run: resume it with `redteam-grpo {MODE_COMMANDS[stored.run.mode]}`"
-        )
+    if stored is not None and mode_of(stored) is not mode:
+        command = mode_of(stored).command
+        raise ConfigError(f"{resume} is a {stored.run.mode} run: resume it with `redteam-grpo {command}`")
     requested = None
     if config is not None:
-        requested = validate_config(merged_config(mode_defaults(mode), config))
+        requested = validate_config(merged_config(mode.defaults(), config))
     elif config_path or overrides:
         base = stored.model_dump(mode="json") if stored is not None else None
-        requested = load_config(Path(config_path) if config_path else None, list(overrides or []), base, mode)
-    if requested is not None and requested.run.mode != mode:
+        requested = load_config(Path(config_path) if config_path else None, list(overrides or []), base, mode.name)
+    if requested is not None and mode_of(requested) is not mode:
         raise ConfigError(
-            f"run.mode is {requested.run.mode}, but this is the {mode} flow: run it with "
-            f"`redteam-grpo {MODE_COMMANDS[requested.run.mode]}` (or leave run.mode out)"
+            f"run.mode is {requested.run.mode}, but this is the {mode.name} flow: run it with "
+            f"`redteam-grpo {mode_of(requested).command}` (or leave run.mode out)"
         )
     return requested
 
@@ -202,9 +180,10 @@ def signal_of(stop: BaseException) -> int:
 
 def _stopped(run: RunDir, iteration: int, cfg: Config, metrics: dict[str, float] | None = None) -> bool:
     """Decide early stopping from the iteration's metrics row; record the stop's kind and reason if so."""
-    if cfg.run.mode == "sft":
+    mode = mode_of(cfg)
+    if not mode.early_stopping:
         return False  # SFT runs its epochs
-    stop = early_stop(metrics or run.read(TRAIN_STEP, iteration).to_pylist()[0], cfg.run)
+    stop = early_stop(metrics or run.read(mode.metrics, iteration).to_pylist()[0], cfg.run)
     if stop is None:
         return False
     stage_logger().warning("early stop after iteration %d: %s", iteration, stop.message)
@@ -228,13 +207,27 @@ def attack_run(
     directory. `on_iteration(metrics)` is called with each iteration's metrics row (the CLI's progress display).
     `redo` (with `resume`): `7` or `7/score` recomputes that part of the run and everything after it.
     """
-    with owned_run(requested_config(config, config_path, overrides, resume), resume, redo) as run:
-        return run_iterations(run, attack_iteration, on_iteration)
+    return run_mode(ATTACK_MODE, config, resume, config_path, overrides, on_iteration, redo)
 
 
-def run_iterations(run: RunDir, iteration_flow: Any, on_iteration: Any) -> str:
-    """The parent loop every mode shares: `iteration_flow(run_dir, run_id, iteration)` (a subflow that returns the
-    iteration's metrics row) for each iteration not yet sealed, early stopping, and the run's status."""
+def run_mode(
+    mode: Mode,
+    config: dict[str, Any] | None,
+    resume: str | None,
+    config_path: str | None,
+    overrides: list[str] | None,
+    on_iteration: Any,
+    redo: str | None,
+) -> str:
+    """What every mode's run flow does: the config asked for, the run directory owned, its iterations run."""
+    requested = requested_config(config, config_path, overrides, resume, mode)
+    with owned_run(requested, resume, redo, mode) as run:
+        return run_iterations(run, on_iteration)
+
+
+def run_iterations(run: RunDir, on_iteration: Any) -> str:
+    """The parent loop every mode shares: one `iteration_flow` subflow run (which returns the iteration's metrics
+    row) for each iteration not yet sealed, early stopping, and the run's status."""
     cfg = run.stored_config()
     log = stage_logger()
     done = run.completed_iterations()
@@ -242,19 +235,19 @@ def run_iterations(run: RunDir, iteration_flow: Any, on_iteration: Any) -> str:
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     run.set_status("running")
     check_runtime(cfg)
-    iteration_flow = iteration_flow_for(iteration_flow, cfg.runtime)
+    iteration = iteration_flow_for(iteration_flow, cfg.runtime)
     gpus = cfg.training.nproc if cfg.training.launcher == "torchrun" else 1  # the train step's GPUs, on this machine
     try:
         with gpu_slot(cfg.runtime, gpus), ray_session(cfg.runtime):
             initialize_stage(str(run.root))
             if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
                 return str(run.root)
-            for iteration in range(start, cfg.run.iterations):
+            for number in range(start, cfg.run.iterations):
                 with without_heartbeats():
-                    metrics = iteration_flow(str(run.root), run.run_id, iteration)
+                    metrics = iteration(str(run.root), run.run_id, number)
                 if on_iteration is not None:
                     on_iteration(metrics)
-                if _stopped(run, iteration, cfg, metrics):
+                if _stopped(run, number, cfg, metrics):
                     return str(run.root)
         run.set_status("completed")
         return str(run.root)

@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow
 
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.artifacts import publish_evaluation
 from redteam_grpo.tasks.evaluate import evaluate_checkpoint
@@ -47,7 +48,7 @@ def evaluate(
     local file, a hub dataset or `bundled:<file>`, with options after `?` (`walledai/XSTest?label=safe`; see
     `core/data.py: SourceSpec`). A defense is flagged when its over-refusal exceeds the base's by more than
     `over_refusal_margin` or its perplexity the base's by more than the factor `perplexity_limit`."""
-    if RunDir.open(run_dir).stored_config().run.mode == "defense":
+    if mode_of(RunDir.open(run_dir).stored_config()).evaluation == "defense":
         summary = evaluate_defense(
             run_dir,
             iteration,

@@ -1,9 +1,9 @@
 """Checkpoints as safetensors + JSON: loading one never unpickles anything.
 
 A checkpoint folder holds `adapter.safetensors` (LoRA weights), `optimizer.safetensors` (AdamW state: tensors
-in the file, hyper-parameters as JSON in its metadata), `rng.safetensors` (torch RNG state) and
-`manifest.json`, written last with the sha256 of each file: a folder without a valid manifest is incomplete
-and is never loaded.
+in the file, hyper-parameters as JSON in its metadata), in defense the attacker's (`attacker.safetensors`, with
+self-play `attacker_optimizer.safetensors`), and `manifest.json`, written last with the sha256 of each file: a
+folder without a valid manifest is incomplete and is never loaded.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, save_file
+from safetensors.torch import save_file
 
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.location import local_copy, location
@@ -23,7 +23,6 @@ ADAPTER_FILE = "adapter.safetensors"
 ATTACKER_FILE = "attacker.safetensors"  # defense: the attacker's adapter (initial checkpoint; self-play: every one)
 ATTACKER_OPTIMIZER_FILE = "attacker_optimizer.safetensors"  # self-play: the attacker's optimizer state
 OPTIMIZER_FILE = "optimizer.safetensors"
-RNG_FILE = "rng.safetensors"
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -83,21 +82,6 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
-
-
-def save_rng(path: Path) -> None:
-    tensors = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_tensors(path, tensors)
-
-
-def load_rng(path: Path) -> None:
-    tensors = load(path.read_bytes())
-    torch.set_rng_state(tensors["cpu"])
-    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def resolve_adapter_source(source: Path) -> Path:

@@ -34,15 +34,8 @@ from redteam_grpo.core.config import Config, ConfigError, config_differences, va
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.location import is_remote, location, version_of
-from redteam_grpo.storage.stages import (
-    ALL_STAGES,
-    ATTACK_TRAIN_STEP,
-    BY_NAME,
-    CHECKPOINT,
-    SFT_TRAIN,
-    TRAIN_STEP,
-    Stage,
-)
+from redteam_grpo.storage.modes import MODES, mode_of
+from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
 RUN_FORMAT = 8
@@ -68,7 +61,6 @@ FORMAT_CHANGES = {
         "min_new_tokens, repetition_penalty and backend removed)"
     ),
 }
-MODE_COMMANDS = {"attack": "run", "sft": "sft", "defense": "defense"}  # the CLI command of each run.mode
 INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
 SAMPLER_FOLDER = "sampler"  # sampling.backend=vllm: adapters exported for the server; derived from the checkpoints
 OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
@@ -83,7 +75,7 @@ def command_for(root: Path) -> str:
         mode = json.loads((root / "config.json").read_text()).get("run", {}).get("mode", "attack")
     except (OSError, ValueError, AttributeError):
         return "run"
-    return MODE_COMMANDS.get(mode, "run")
+    return MODES[mode].command if mode in MODES else "run"
 
 
 def checkpoint_name(version: int) -> str:
@@ -359,15 +351,13 @@ class RunDir:
     @property
     def update_stage(self) -> Stage:
         """The stage that writes an iteration's (first) weights: the SFT epoch, or the GRPO train step."""
-        return SFT_TRAIN if self.stored_config().run.mode == "sft" else TRAIN_STEP
+        return self.update_stages[0]
 
     @property
     def update_stages(self) -> tuple[Stage, ...]:
         """Every stage that writes weights into an iteration's checkpoint folder (self-play: both roles')."""
         cfg = self.stored_config()
-        if cfg.run.mode == "defense" and cfg.defense.self_play:
-            return (TRAIN_STEP, ATTACK_TRAIN_STEP)
-        return (self.update_stage,)
+        return mode_of(cfg).update_stages(cfg)
 
     def stored_config(self) -> Config:
         try:

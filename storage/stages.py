@@ -2,18 +2,19 @@
 
 Everything that touches a stage's output — the run directory, the manifest, the stage skeleton in `tasks/`,
 DuckDB views, lineage, export, reports, artifacts — looks it up here, so a stage cannot have one name in the
-manifest, another on disk and a third in SQL. A mode of the pipeline is a list of these records: an attack
-iteration is `ATTACK_ITERATION`; defense (`DEFENSE_ITERATION`) puts the attacker's stage before the same records,
-which it runs with other models, another scorer and another reward; SFT is `SFT_ITERATION`.
+manifest, another on disk and a third in SQL. Which of them a mode runs, in which order, is its `Mode` record's
+(storage/modes.py); a `Learner` names the stages and files of one role that GRPO trains.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from redteam_grpo.core.roles import ATTACKER
+from redteam_grpo.core.config import Config
+from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.storage import checkpoints, schemas
 
 
@@ -108,21 +109,6 @@ ALL_STAGES: tuple[Stage, ...] = (
     SFT_TRAIN,
     CHECKPOINT,
 )
-ATTACK_ITERATION: tuple[Stage, ...] = (SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT)
-DEFENSE_ITERATION: tuple[Stage, ...] = (ATTACK, SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, CHECKPOINT)
-SELF_PLAY_ITERATION: tuple[Stage, ...] = (
-    *DEFENSE_ITERATION[:-1],
-    ATTACK_SCORE,
-    ATTACK_ADVANTAGE,
-    ATTACK_TRAIN_STEP,
-    CHECKPOINT,
-)
-SFT_ITERATION: tuple[Stage, ...] = (SFT_TRAIN, CHECKPOINT)
-ITERATION_OF_MODE: dict[str, tuple[Stage, ...]] = {
-    "attack": ATTACK_ITERATION,
-    "defense": DEFENSE_ITERATION,
-    "sft": SFT_ITERATION,
-}
 TABLE_STAGES: tuple[Stage, ...] = tuple(s for s in ALL_STAGES if s.file is not None)
 BY_NAME: dict[str, Stage] = {s.name: s for s in ALL_STAGES}
 BY_VIEW: dict[str, Stage] = {s.view: s for s in TABLE_STAGES if s.view}
@@ -130,9 +116,10 @@ BY_VIEW: dict[str, Stage] = {s.view: s for s in TABLE_STAGES if s.view}
 
 @dataclass(frozen=True)
 class Learner:
-    """A role that GRPO trains: the adapter it trains, the stages of its rollouts, scores, advantages and update, and
-    the checkpoint files of its adapter and optimizer. Red-team and defense runs train `POLICY` (the default
-    adapter: the attacked model, or the defender); self-play also trains `ATTACKER_LEARNER`."""
+    """A role that GRPO trains and everything that differs between roles: the adapter it trains, the stages of its
+    rollouts, scores, advantages and update, the checkpoint files of its adapter and optimizer, its group size and
+    completion length. Red-team and defense runs train `POLICY` (the default adapter: the attacked model, or the
+    defender); self-play also trains `ATTACKER_LEARNER`."""
 
     role: str  # the adapter's name on the policy (core/roles.py)
     rollouts: Stage
@@ -141,9 +128,23 @@ class Learner:
     update: Stage
     adapter_file: str
     optimizer_file: str
+    group_size: Callable[[Config], int]  # the completions of one group: the advantage's baseline
+    max_new_tokens: Callable[[Config], int]  # the longest completion it samples
+    per_turn: bool  # dialogue.rewards=per_turn applies: its rollouts are dialogues rewarded turn by turn
 
 
-POLICY = Learner("default", SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP, checkpoints.ADAPTER_FILE, checkpoints.OPTIMIZER_FILE)
+POLICY = Learner(
+    DEFAULT_ROLE,
+    SAMPLE,
+    SCORE,
+    ADVANTAGE,
+    TRAIN_STEP,
+    checkpoints.ADAPTER_FILE,
+    checkpoints.OPTIMIZER_FILE,
+    group_size=lambda cfg: cfg.sampling.group_size,
+    max_new_tokens=lambda cfg: cfg.sampling.max_new_tokens,
+    per_turn=True,
+)
 ATTACKER_LEARNER = Learner(
     ATTACKER,
     ATTACK,
@@ -152,4 +153,8 @@ ATTACKER_LEARNER = Learner(
     ATTACK_TRAIN_STEP,
     checkpoints.ATTACKER_FILE,
     checkpoints.ATTACKER_OPTIMIZER_FILE,
+    group_size=lambda cfg: cfg.defense.prompts_per_goal,  # a goal's prompts form a group
+    max_new_tokens=lambda cfg: cfg.defense.attacker_max_new_tokens,
+    per_turn=False,
 )
+LEARNERS: dict[str, Learner] = {learner.role: learner for learner in (POLICY, ATTACKER_LEARNER)}

@@ -69,7 +69,7 @@ def attack_advantage_stage(run_dir: str, iteration: int) -> str:
 def group_advantage_stage(run_dir: str, iteration: int, learner: Learner) -> str:
     res = resources_for(run_dir)
     cfg = res.config
-    group_size = cfg.defense.prompts_per_goal if learner is ATTACKER_LEARNER else cfg.sampling.group_size
+    group_size = learner.group_size(cfg)
 
     def compute():
         scores = res.run.read(learner.scores, iteration).to_pydict()
@@ -90,7 +90,7 @@ def group_advantage_stage(run_dir: str, iteration: int, learner: Learner) -> str
         advantage = [float(advantages_P_G[row_of[p], g]) for p, g in keys]
         per_turn: list[list[float] | None] = [None] * len(keys)
         if (
-            learner is POLICY
+            learner.per_turn
             and cfg.dialogue.rewards == "per_turn"
             and any(r is not None for r in scores["turn_rewards"])
         ):

@@ -25,7 +25,7 @@ from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
-from redteam_grpo.tasks.score import novelty_memory, policy_terms, scores_stats, scores_table
+from redteam_grpo.tasks.score import ScoredRows, novelty_memory, policy_terms, scores_stats
 
 
 def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[str, dict[str, Any]]:
@@ -102,20 +102,18 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
         categories = [per_prompt[k]["categories"] for k in keys]
         info = res.scoring.describe().scorer
         truncated = [False] * n  # the judge's scores of the defender's responses, not of these prompts
-        table = scores_table(
-            attacks,
-            harm,
-            info,
-            categories,
-            refused,
-            truncated,
-            novelty,
-            embeddings,
-            repetition,
-            terms,
-            reward,
-            "attack_scores",
-        )
+        table = ScoredRows(
+            harm=harm,
+            scorer=info,
+            categories=categories,
+            refusal=refused,
+            truncated=truncated,
+            novelty=novelty,
+            embeddings=embeddings,
+            repetition=repetition,
+            terms=terms,
+            reward=reward,
+        ).table(attacks, "attack_scores")
         return table, scores_stats(table)
 
     return run_table_stage(res.run, ATTACK_SCORE, iteration, compute)

@@ -12,8 +12,9 @@ from redteam_grpo.core.roles import ATTACKER
 from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.location import remove_tree
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION
-from redteam_grpo.storage.stages import CHECKPOINT, SFT_TRAIN, TRAIN_STEP
+from redteam_grpo.storage.stages import CHECKPOINT
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
 
@@ -129,7 +130,7 @@ def initialize_stage(run_dir: str) -> str:
         stage_logger().info("run %s starts from the adapter of %s", res.run.run_id, info["parent_checkpoint"])
     folder.mkdir(parents=True, exist_ok=True)
     checkpoints.save_adapter(folder / checkpoints.ADAPTER_FILE, res.policy.adapter_state())
-    if res.config.run.mode == "defense":
+    if mode_of(res.config).attacker:
         attacker_file, info["attacker"] = attacker_adapter(res)
         if attacker_file is not None:
             res.policy.load_adapter(attacker_file, ATTACKER)
@@ -140,28 +141,22 @@ def initialize_stage(run_dir: str) -> str:
     return str(folder)
 
 
-# The metrics a checkpoint's manifest repeats, by the stage that wrote its weights.
-CHECKPOINT_SUMMARY = {
-    TRAIN_STEP.name: ("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean"),
-    SFT_TRAIN.name: ("train_loss", "eval_loss"),
-}
-
-
 @task(name=CHECKPOINT.name, cache_policy=NO_CACHE)
 def checkpoint_stage(run_dir: str, iteration: int) -> str:
-    """Seal the checkpoint of `iteration` (RNG state, then its manifest, written last) and prune old ones."""
+    """Seal the checkpoint of `iteration` (its manifest, written last, over the weights the update stages recorded)
+    and prune old ones. No RNG state is kept: every random draw of a stage comes from a generator seeded from
+    (run.seed, iteration, stage), so a resumed stage draws what it would have drawn (core/seeds.py)."""
     res = resources_for(run_dir)
     run, cfg = res.run, res.config
     folder = run.checkpoint_dir(iteration)
     if run.completed(CHECKPOINT, iteration):
         stage_logger().info("iteration %d: checkpoint already completed", iteration)
         return str(folder)
-    update = run.update_stage
-    metrics = run.read(update, iteration).to_pylist()[0]
-    for stage in run.update_stages:
+    mode = mode_of(cfg)
+    metrics = run.read(mode.metrics, iteration).to_pylist()[0]
+    for stage in mode.update_stages(cfg):
         run.verify(stage, iteration)  # seal exactly the weights the update stages recorded
-    checkpoints.save_rng(folder / checkpoints.RNG_FILE)
-    summary = {k: metrics[k] for k in CHECKPOINT_SUMMARY[update.name]}
+    summary = {k: metrics[k] for k in mode.summary}
     with interrupts.recording():  # sealed exactly when recorded
         checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
         run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])

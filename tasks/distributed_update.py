@@ -29,9 +29,8 @@ from redteam_grpo.core.train import RatioCheckError, UpdateStats
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.location import absolute
 from redteam_grpo.storage.rundir import DamagedRunError, RunDir, RunDirError
-from redteam_grpo.storage.stages import ATTACKER_LEARNER, POLICY, Learner
+from redteam_grpo.storage.stages import LEARNERS, Learner
 
-LEARNERS = {learner.role: learner for learner in (POLICY, ATTACKER_LEARNER)}
 STOP_GRACE_S = 30.0  # how long the processes get to end after SIGTERM before SIGKILL
 
 

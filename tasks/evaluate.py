@@ -22,6 +22,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
 from redteam_grpo.tasks.engine import BASE, evaluation_sampler
 from redteam_grpo.tasks.logs import stage_logger
@@ -109,7 +110,7 @@ def evaluate_checkpoint(
         raise EvaluationError("num_prompts and samples_per_prompt must be at least 1")
     run = RunDir.open(run_dir)
     cfg = run.stored_config()
-    if cfg.run.mode == "sft":
+    if mode_of(cfg).evaluation is None:
         raise EvaluationError(
             f"{run.run_id} is an SFT run: its held-out loss is in sft_metrics.parquet (redteam-grpo inspect); "
             "evaluate the defense run that uses it as its attacker"

@@ -38,6 +38,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import write_atomic
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
 from redteam_grpo.tasks.engine import BASE, Sampler, evaluation_sampler
 from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, write_summary
@@ -132,7 +133,7 @@ def evaluate_defense(
         raise EvaluationError("num_prompts and samples_per_prompt must be at least 1")
     run = RunDir.open(run_dir)
     cfg = run.stored_config()
-    if cfg.run.mode != "defense":
+    if mode_of(cfg).evaluation != "defense":
         raise EvaluationError(f"{run.run_id} is a {cfg.run.mode} run: defense evaluation needs a defense run")
     iteration = choose_checkpoint(run, iteration)
     name = checkpoint_name(iteration)

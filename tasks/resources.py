@@ -23,6 +23,7 @@ from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adap
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.lineage import fresh_prompts
 from redteam_grpo.storage.location import absolute, location
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, DamagedRunError, RunDir
 from redteam_grpo.tasks.engine import export_adapter
 from redteam_grpo.tasks.logs import stage_logger
@@ -71,6 +72,20 @@ class RunResources:
     def optimizer_for(self, role: str) -> torch.optim.Optimizer:
         return self.optimizer if role == DEFAULT_ROLE else self.attacker_optimizer
 
+    def ensure_role(self, role: str, version: int) -> None:
+        """`role`'s adapter and optimizer in memory as they were after iteration `version`'s update."""
+        if role == DEFAULT_ROLE:
+            self.ensure_version(version)
+        else:
+            self.ensure_attacker(version)
+
+    def holds(self, role: str, version: int | None) -> None:
+        """Record that memory holds `role`'s weights after iteration `version` (None: weights no checkpoint has)."""
+        if role == DEFAULT_ROLE:
+            self.version = version
+        else:
+            self.attacker_version = version
+
     @property
     def embedder(self):
         """Self-play: the sentence embedder of the attacker's novelty term (reward.embedder), loaded once."""
@@ -84,7 +99,7 @@ class RunResources:
         """Defense: the attacker in memory as it was after iteration `version`'s update. A frozen attacker is the
         initial checkpoint's at every version; in self-play its adapter and optimizer are the checkpoint's."""
         cfg = self.config
-        if cfg.run.mode != "defense":
+        if not mode_of(cfg).attacker:
             return
         wanted = version if cfg.defense.self_play else INIT_VERSION
         if wanted == self.attacker_version:
@@ -173,7 +188,7 @@ def resources_for(run_dir: str | Path, session: str | None = None) -> RunResourc
         config = run.stored_config()
         device = resolve_device(config.run.device)
         policy = load_policy(config.model, config.sampling.temperature, device, config.run.seed)
-        if config.run.mode == "defense":
+        if mode_of(config).attacker:
             # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's attacker is loaded
             policy.add_role(ATTACKER)
         _CACHE[root] = RunResources(run, config, device, policy, make_optimizer(policy, config.training))

@@ -24,8 +24,9 @@ from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.sampling import Completion, sample_completions
 from redteam_grpo.core.shards import shard_seed, shard_span
 from redteam_grpo.storage import schemas
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ATTACK, SAMPLE
+from redteam_grpo.storage.stages import ATTACK, SAMPLE, Stage
 from redteam_grpo.tasks.common import run_sharded_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import RunResources, resources_for
@@ -113,7 +114,7 @@ def engine_turns(res: RunResources, iteration: int):
     base without one (attack mode's frozen attacker). The ids go as they are, one request per turn."""
     cfg, policy = res.config, res.policy
     names = {POLICY_SPEAKER: res.vllm_adapter(iteration - 1)}
-    if cfg.run.mode == "defense":
+    if mode_of(cfg).attacker:
         names[ATTACKER_SPEAKER] = res.vllm_adapter(iteration - 1, ATTACKER)
     else:  # the served base's name: the model the server was started with
         names[ATTACKER_SPEAKER] = resolve_model_name(cfg.model.policy)
@@ -152,7 +153,7 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
     glue = TurnGlue.from_tokenizer(tokenizer, policy.end_of_turn_ids)
     policy_prompts = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
     check_prompt_lengths(list(prompts), policy_prompts, cfg.model.max_prompt_tokens)
-    if cfg.run.mode == "defense":
+    if mode_of(cfg).attacker:
         attacks = res.run.read(ATTACK, iteration).to_pydict()
         first_turn = {
             f"{goal}{ATTACK_PROMPT_SEPARATOR}{idx}": glue.continued(prompt, completion, finish)
@@ -261,9 +262,10 @@ def vllm_draw(
     return draw
 
 
-def attacker_prompts(run: RunDir, iteration: int) -> list[Prompt]:
-    """Defense: the attacker's prompts of `iteration` as the defender's prompts, one per attack row."""
-    attacks = run.read(ATTACK, iteration).to_pydict()
+def stage_prompts(run: RunDir, stage: Stage, iteration: int) -> list[Prompt]:
+    """The completions `stage` wrote in `iteration` as prompts, one per row (defense: the attacker's prompts, which
+    the defender answers); a prompt's id names its row (`goal#index`)."""
+    attacks = run.read(stage, iteration).to_pydict()
     return [
         Prompt(f"{goal}{ATTACK_PROMPT_SEPARATOR}{idx}", text)
         for goal, idx, text in zip(attacks["prompt_id"], attacks["sample_idx"], attacks["completion_text"], strict=True)
@@ -271,10 +273,12 @@ def attacker_prompts(run: RunDir, iteration: int) -> list[Prompt]:
 
 
 def iteration_prompts(res: RunResources, iteration: int) -> list[Prompt]:
-    """The prompts of `iteration`, in order: a draw of the prompt source; defense: the attacker's prompts."""
+    """The prompts of `iteration`, in order: a draw of the prompt source, or what the mode's prompt stage wrote
+    (defense: the attacker's prompts)."""
     cfg = res.config
-    if cfg.run.mode == "defense":
-        return attacker_prompts(res.run, iteration)
+    source = mode_of(cfg).prompts
+    if source is not None:
+        return stage_prompts(res.run, source, iteration)
     return prompts_for_iteration(res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle)
 
 

@@ -2,7 +2,8 @@
 KL to the base, entropy, and the composite reward. Every component is kept in the scores file.
 
 Defense runs the same stage: the judge scores each (attacker prompt, defender response) pair, and the reward's
-weights (reward.safety_weight, entropy_weight, kl_weight) make it the defense reward."""
+weights make it the defense reward: safety − entropy − refusal − KL (reward.safety_weight, entropy_weight,
+refusal_weight, kl_weight; a refusal costs less than an unsafe answer and more than a safe one)."""
 
 from __future__ import annotations
 
@@ -99,53 +100,56 @@ def policy_terms(
     return PolicyTerms(policy_lps, reference_lps, kl, entropy)
 
 
-def scores_table(
-    keys: dict[str, list],
-    harm: list[float | None],
-    scorer: ModelInfo,
-    categories: list[list[str]],
-    refusal: list[bool],
-    truncated: list[bool],
-    novelty: list[float | None],
-    embeddings: list[list[float] | None],
-    repetition: list[float],
-    terms: PolicyTerms,
-    reward: list[float],
-    what: str,
-    turn_toxicity: list[list[float | None]] | None = None,
-    turn_rewards: list[list[float]] | None = None,
-) -> pa.Table:
-    """A table of the SCORES schema (completions' scores, or self-play's attacker prompts'); NaN rewards are null.
+@dataclass(frozen=True)
+class ScoredRows:
+    """Every column of a scores file but the keys, one entry per row (completions' scores, or self-play's attacker
+    prompts'). `harm` is the scorer's score (a classifier's P(label), a judge's P(unsafe)), stored as `toxicity`;
     `turn_toxicity` and `turn_rewards`: dialogues' per-turn columns, null when not given."""
-    n = len(harm)
-    return schemas.to_table(
-        {
-            **{k: keys[k] for k in schemas.KEY_COLUMNS},
-            "toxicity": harm,
-            "scorer_name": [scorer.name] * n,
-            "scorer_revision": [scorer.revision] * n,
-            "scorer_kind": [scorer.kind] * n,
-            "categories": categories,
-            "refusal": refusal,
-            "scorer_truncated": truncated,
-            "novelty": novelty,
-            "embedding": embeddings,
-            "repetition_ratio": repetition,
-            "policy_logprobs": terms.policy_logprobs,
-            "reference_logprobs": terms.reference_logprobs,
-            "kl": terms.kl,
-            "entropy": terms.entropy,
-            "reward": [x if math.isfinite(x) else None for x in reward],
-            "turn_toxicity": turn_toxicity if turn_toxicity is not None else [None] * n,
-            "turn_rewards": (
-                [[x if math.isfinite(x) else None for x in row] for row in turn_rewards]
-                if turn_rewards is not None
-                else [None] * n
-            ),
-        },
-        schemas.SCORES,
-        what,
-    )
+
+    harm: list[float | None]
+    scorer: ModelInfo
+    categories: list[list[str]]
+    refusal: list[bool]
+    truncated: list[bool]
+    novelty: list[float | None]
+    embeddings: list[list[float] | None]
+    repetition: list[float]
+    terms: PolicyTerms
+    reward: list[float]
+    turn_toxicity: list[list[float | None]] | None = None
+    turn_rewards: list[list[float]] | None = None
+
+    def table(self, keys: dict[str, list], what: str) -> pa.Table:
+        """A table of the SCORES schema with the rows' `keys`; NaN rewards are null."""
+        n = len(self.harm)
+        return schemas.to_table(
+            {
+                **{k: keys[k] for k in schemas.KEY_COLUMNS},
+                "toxicity": self.harm,
+                "scorer_name": [self.scorer.name] * n,
+                "scorer_revision": [self.scorer.revision] * n,
+                "scorer_kind": [self.scorer.kind] * n,
+                "categories": self.categories,
+                "refusal": self.refusal,
+                "scorer_truncated": self.truncated,
+                "novelty": self.novelty,
+                "embedding": self.embeddings,
+                "repetition_ratio": self.repetition,
+                "policy_logprobs": self.terms.policy_logprobs,
+                "reference_logprobs": self.terms.reference_logprobs,
+                "kl": self.terms.kl,
+                "entropy": self.terms.entropy,
+                "reward": [x if math.isfinite(x) else None for x in self.reward],
+                "turn_toxicity": self.turn_toxicity if self.turn_toxicity is not None else [None] * n,
+                "turn_rewards": (
+                    [[x if math.isfinite(x) else None for x in row] for row in self.turn_rewards]
+                    if self.turn_rewards is not None
+                    else [None] * n
+                ),
+            },
+            schemas.SCORES,
+            what,
+        )
 
 
 def earlier_answers_scored(
@@ -234,22 +238,20 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
         reward = [discounted_returns(rewards, dialogue.discount)[0] for rewards in turn_reward_lists]
     categories = [list(s.categories) for s in scored]
     truncated = [bool(s.truncated) for s in scored]
-    table = scores_table(
-        rollouts,
-        toxicity,
-        info,
-        categories,
-        refusal,
-        truncated,
-        novelty,
-        embeddings,
-        repetition,
-        terms,
-        reward,
-        "scores",
-        turn_toxicity,
-        turn_reward_lists,
-    )
+    table = ScoredRows(
+        harm=toxicity,
+        scorer=info,
+        categories=categories,
+        refusal=refusal,
+        truncated=truncated,
+        novelty=novelty,
+        embeddings=embeddings,
+        repetition=repetition,
+        terms=terms,
+        reward=reward,
+        turn_toxicity=turn_toxicity,
+        turn_rewards=turn_reward_lists,
+    ).table(rollouts, "scores")
     path = res.run.write(SCORE, iteration, table, res.run.part_path(SCORE, iteration, shard, shards))
     return str(path), table.num_rows
 

@@ -78,13 +78,8 @@ def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: i
 def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_parallel=None) -> UpdateStats:
     """One update of the learner's adapter (and optimizer) in memory, from the weights after iteration - 1."""
     cfg = res.config
-    attacker = learner is ATTACKER_LEARNER
-    max_new_tokens = cfg.defense.attacker_max_new_tokens if attacker else cfg.sampling.max_new_tokens
-    batch = train_batch(res.run, learner, iteration, max_new_tokens, cfg.sampling.backend)
-    if attacker:
-        res.ensure_attacker(iteration - 1)  # the defender may already hold this iteration's update
-    else:
-        res.ensure_version(iteration - 1)
+    batch = train_batch(res.run, learner, iteration, learner.max_new_tokens(cfg), cfg.sampling.backend)
+    res.ensure_role(learner.role, iteration - 1)  # self-play: the defender may already hold this iteration's update
     with res.policy.role(learner.role):
         return policy_gradient_step(res.policy, res.optimizer_for(learner.role), batch, cfg.training, data_parallel)
 
@@ -104,7 +99,6 @@ def update_stage(run_dir: str, iteration: int, learner: Learner) -> str:
     run, cfg = res.run, res.config
     folder = run.checkpoint_dir(iteration)
     weights = [folder / learner.adapter_file, folder / learner.optimizer_file]
-    attacker = learner is ATTACKER_LEARNER
 
     def compute():
         started = time.perf_counter()
@@ -117,10 +111,7 @@ def update_stage(run_dir: str, iteration: int, learner: Learner) -> str:
             update = update_in_memory(res, iteration, learner)
             save_update(res, learner, weights)
             version = iteration
-        if attacker:
-            res.attacker_version = version
-        else:
-            res.version = version
+        res.holds(learner.role, version)
 
         # Each earlier stage recorded the statistics it computed; none is recomputed here.
         metrics = iteration_metrics(

@@ -222,8 +222,8 @@ BUG_CLASSES = [
     (
         "drifted-column-name",
         "tasks/score.py",
-        '"repetition_ratio": repetition,',
-        '"repetition": repetition,',
+        '"repetition_ratio": self.repetition,',
+        '"repetition": self.repetition,',
         "tests/tasks/test_stages.py::test_every_stage_output_is_read_back_by_the_next_stage",
     ),
     (

@@ -13,8 +13,9 @@ from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
 from redteam_grpo.storage import checkpoints, ownership
 from redteam_grpo.storage.atomic import sha256_file
+from redteam_grpo.storage.modes import ATTACK_MODE
 from redteam_grpo.storage.rundir import RunDir, RunDirError
-from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ITERATION, SAMPLE, SCORE, TRAIN_STEP
+from redteam_grpo.storage.stages import ADVANTAGE, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks import advantage as advantage_module
 from redteam_grpo.tasks import sample as sample_module
 from tests import conftest
@@ -36,7 +37,7 @@ def test_two_iterations_write_every_stage_and_the_first_update_is_on_policy(tmp_
     assert str(run.root) == run_dir
     assert run.manifest()["status"] == "completed"
     for iteration in range(2):
-        for stage in ATTACK_ITERATION:
+        for stage in ATTACK_MODE.stages(cfg):
             assert run.completed(stage, iteration), (iteration, stage.name)
         checkpoints.read_manifest(run.checkpoint_dir(iteration))
 

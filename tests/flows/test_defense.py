@@ -32,7 +32,7 @@ from redteam_grpo.flows.evaluate import evaluate
 from redteam_grpo.flows.sft import sft_run
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ATTACK, DEFENSE_ITERATION, SAMPLE, SCORE, SFT_TRAIN, TRAIN_STEP
+from redteam_grpo.storage.stages import ATTACK, SAMPLE, SCORE, SFT_TRAIN, TRAIN_STEP
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness", "embedded_assets")]
 
@@ -72,7 +72,8 @@ def test_sft_learns_the_pairs_and_writes_a_checkpoint_a_defense_run_can_start_fr
 def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path, attacker):
     run = _defense(tmp_path, "two", attacker, "run.iterations=2")
     stages = run.manifest()["stages"]
-    assert sorted(k.split("/")[1] for k in stages if k.startswith("0/")) == sorted(s.name for s in DEFENSE_ITERATION)
+    recorded = {k.split("/")[1] for k in stages if k.startswith("0/")}
+    assert recorded == {"attack", "sample", "score", "advantage", "train_step", "checkpoint"}
     attacks = run.read(ATTACK, 1).to_pandas()
     rollouts = run.read(SAMPLE, 1).to_pandas()
     cfg = run.stored_config()

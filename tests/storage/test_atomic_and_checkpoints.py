@@ -43,16 +43,16 @@ def test_checkpoints_round_trip_through_object_storage(memory_store):
     folder = location(memory_store) / "checkpoints" / "iter_0000"
     params, opt = _optimizer()
     checkpoints.save_optimizer(folder / checkpoints.OPTIMIZER_FILE, opt)
-    checkpoints.save_rng(folder / checkpoints.RNG_FILE)
+    checkpoints.save_adapter(folder / checkpoints.ADAPTER_FILE, {"w": torch.ones(2)})
     checkpoints.write_manifest(folder, {"iteration": 0})
-    assert set(checkpoints.read_manifest(folder)["files"]) == {checkpoints.OPTIMIZER_FILE, checkpoints.RNG_FILE}
+    assert set(checkpoints.read_manifest(folder)["files"]) == {checkpoints.OPTIMIZER_FILE, checkpoints.ADAPTER_FILE}
     restored = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=5.0)
     checkpoints.load_optimizer(folder / checkpoints.OPTIMIZER_FILE, restored)
     assert restored.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
     for a, b in zip(opt.state_dict()["state"].values(), restored.state_dict()["state"].values(), strict=True):
         torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=0, atol=0)
-    (folder / checkpoints.RNG_FILE).write_bytes(b"\0" * 8)
-    with pytest.raises(checkpoints.CheckpointError, match=r"rng\.safetensors does not match its checksum"):
+    (folder / checkpoints.ADAPTER_FILE).write_bytes(b"\0" * 8)
+    with pytest.raises(checkpoints.CheckpointError, match=r"adapter\.safetensors does not match its checksum"):
         checkpoints.read_manifest(folder)
 
 
@@ -105,12 +105,3 @@ def test_manifest_detects_missing_and_corrupt_files(tmp_path):
     (tmp_path / checkpoints.ADAPTER_FILE).write_bytes(bytes(data))
     with pytest.raises(checkpoints.CheckpointError, match="does not match its checksum"):
         checkpoints.read_manifest(tmp_path)
-
-
-def test_rng_state_round_trips(tmp_path):
-    torch.manual_seed(3)
-    checkpoints.save_rng(tmp_path / "rng.safetensors")
-    expected = torch.rand(3)
-    torch.manual_seed(99)
-    checkpoints.load_rng(tmp_path / "rng.safetensors")
-    torch.testing.assert_close(torch.rand(3), expected)

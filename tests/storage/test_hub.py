@@ -78,7 +78,6 @@ def make_checkpoint(folder: Path, state, base_model=HUB_BASE, rank=RANK, targets
     sum(p.sum() for p in params).backward()
     optimizer.step()
     checkpoints.save_optimizer(folder / checkpoints.OPTIMIZER_FILE, optimizer)
-    checkpoints.save_rng(folder / checkpoints.RNG_FILE)
     info = {
         **info,
         "run_id": "run-1",

@@ -6,7 +6,7 @@ import pytest
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
-from redteam_grpo.storage.stages import ADVANTAGE, ALL_STAGES, ATTACK_ITERATION, BY_VIEW, SCORE
+from redteam_grpo.storage.stages import ADVANTAGE, ALL_STAGES, BY_VIEW, SCORE
 
 
 @pytest.fixture(params=["local", "object-store"])
@@ -33,7 +33,6 @@ def _advantages(iteration: int) -> pa.Table:
 
 
 def test_every_stage_is_declared_once_with_its_file_schema_and_view():
-    assert [s.name for s in ATTACK_ITERATION] == ["sample", "score", "advantage", "train_step", "checkpoint"]
     assert sorted(BY_VIEW) == [
         "advantages",
         "attack_advantages",

@@ -1,0 +1,142 @@
+"""The modes of the pipeline, declared once: each a record of the stages one iteration runs and what else differs.
+
+`flows/iteration.py` runs `mode.stages(config)` in order, whatever the mode; the tasks ask the record, never the
+mode's name, what to do differently (where the policy's prompts come from, whether an attacker's adapter sits beside
+the policy on the base, which learners GRPO updates). Adding a mode is one `Mode` record here plus its new stages
+(`storage/stages.py`) and their tasks (`flows/iteration.py: STAGE_TASKS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from redteam_grpo.core.config import Config, ConfigError, mode_defaults
+from redteam_grpo.core.metrics import log_line
+from redteam_grpo.storage.stages import (
+    ATTACK,
+    ATTACKER_LEARNER,
+    CHECKPOINT,
+    POLICY,
+    SFT_TRAIN,
+    TRAIN_STEP,
+    Learner,
+    Stage,
+)
+
+
+def _sft_line(epoch: int, row: dict[str, Any]) -> str:
+    return (
+        f"epoch {epoch}: train loss {row['train_loss']:.4f}  eval loss {row['eval_loss']:.4f}  "
+        f"({row['steps']} steps, {row['seconds']:.1f} s)"
+    )
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # run.mode
+    command: str  # the CLI command that runs and resumes it
+    label: str  # the progress bar's name for it
+    learners: Callable[[Config], tuple[Learner, ...]]  # the roles GRPO updates, in order (none: SFT)
+    before: tuple[Stage, ...]  # stages before the learners' (defense: the attacker writes the prompts)
+    own_update: Stage | None  # a mode's update that is not GRPO's (SFT's epoch), else None
+    metrics: Stage  # the stage whose one row is the iteration's metrics: progress, early stopping, checkpoint
+    summary: tuple[str, ...]  # the metrics a checkpoint's manifest repeats
+    progress: str  # the metric the progress bar shows
+    data: Literal["prompts", "pairs"]  # what data.source holds: prompts, or SFT's (input, target) pairs
+    prompts: Stage | None  # where the policy's prompts come from: a stage's output, or None: data.source drawn
+    attacker: bool  # an attacker's adapter beside the policy's on the one base (its checkpoint files too)
+    early_stopping: bool  # run.early_stop_* apply
+    artifacts: bool  # each iteration publishes its metrics and top completions as a Prefect artifact
+    evaluation: Literal["redteam", "defense"] | None  # what `evaluate` measures on its checkpoints (None: refused)
+    describe: Callable[[int, dict[str, Any]], str]  # the log line of an iteration's metrics row
+
+    def stages(self, cfg: Config) -> tuple[Stage, ...]:
+        """One iteration's stages in the order they run: the mode's first stages, each learner's (the policy's,
+        then, with self-play, the attacker's, which reuses the attacker's stage as its rollouts), the checkpoint."""
+        stages = list(self.before)
+        for learner in self.learners(cfg):
+            for stage in (learner.rollouts, learner.scores, learner.advantages, learner.update):
+                if stage not in stages:
+                    stages.append(stage)
+        if self.own_update is not None:
+            stages.append(self.own_update)
+        return (*stages, CHECKPOINT)
+
+    def update_stages(self, cfg: Config) -> tuple[Stage, ...]:
+        """Every stage that writes weights into an iteration's checkpoint folder."""
+        own = (self.own_update,) if self.own_update is not None else ()
+        return (*(learner.update for learner in self.learners(cfg)), *own)
+
+    def defaults(self) -> dict[str, Any]:
+        """The nested config defaults of this mode (core/config.py: MODE_DEFAULTS), a copy."""
+        return mode_defaults(self.name)
+
+
+ATTACK_MODE = Mode(
+    name="attack",
+    command="run",
+    label="GRPO",
+    learners=lambda cfg: (POLICY,),
+    before=(),
+    own_update=None,
+    metrics=TRAIN_STEP,
+    summary=("reward_mean", "toxicity_mean", "repetition_mean", "kl_base_mean"),
+    progress="reward_mean",
+    data="prompts",
+    prompts=None,
+    attacker=False,
+    early_stopping=True,
+    artifacts=True,
+    evaluation="redteam",
+    describe=log_line,
+)
+DEFENSE_MODE = Mode(
+    name="defense",
+    command="defense",
+    label="defense",
+    learners=lambda cfg: (POLICY, ATTACKER_LEARNER) if cfg.defense.self_play else (POLICY,),
+    before=(ATTACK,),
+    own_update=None,
+    metrics=TRAIN_STEP,
+    summary=ATTACK_MODE.summary,
+    progress="reward_mean",
+    data="prompts",
+    prompts=ATTACK,
+    attacker=True,
+    early_stopping=True,
+    artifacts=True,
+    evaluation="defense",
+    describe=log_line,
+)
+SFT_MODE = Mode(
+    name="sft",
+    command="sft",
+    label="SFT",
+    learners=lambda cfg: (),
+    before=(),
+    own_update=SFT_TRAIN,
+    metrics=SFT_TRAIN,
+    summary=("train_loss", "eval_loss"),
+    progress="train_loss",
+    data="pairs",
+    prompts=None,
+    attacker=False,
+    early_stopping=False,
+    artifacts=False,
+    evaluation=None,
+    describe=_sft_line,
+)
+MODES: dict[str, Mode] = {m.name: m for m in (ATTACK_MODE, DEFENSE_MODE, SFT_MODE)}
+
+
+def mode_named(name: str) -> Mode:
+    if name not in MODES:
+        raise ConfigError(f"unknown run.mode {name!r}: one of {', '.join(MODES)}")
+    return MODES[name]
+
+
+def mode_of(cfg: Config) -> Mode:
+    """The record of the mode `cfg` runs in (run.mode)."""
+    return mode_named(cfg.run.mode)

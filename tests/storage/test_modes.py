@@ -1,0 +1,76 @@
+"""The mode records: what one iteration of each mode runs, in which order, and which stages write weights."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from redteam_grpo.core.config import ConfigError, load_config
+from redteam_grpo.flows.iteration import STAGE_TASKS
+from redteam_grpo.storage.modes import MODES, mode_named, mode_of
+from redteam_grpo.storage.stages import ALL_STAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _names(mode: str, *overrides: str) -> list[str]:
+    cfg = load_config(None, list(overrides), mode=mode)
+    return [s.name for s in mode_of(cfg).stages(cfg)]
+
+
+def test_each_mode_runs_its_stages_in_the_order_of_the_pipeline():
+    assert _names("attack") == ["sample", "score", "advantage", "train_step", "checkpoint"]
+    assert _names("attack", "dialogue.turns=3") == ["sample", "score", "advantage", "train_step", "checkpoint"]
+    assert _names("defense") == ["attack", "sample", "score", "advantage", "train_step", "checkpoint"]
+    assert _names("defense", "defense.self_play=true", "defense.prompts_per_goal=2") == [
+        "attack",
+        "sample",
+        "score",
+        "advantage",
+        "train_step",
+        "attack_score",
+        "attack_advantage",
+        "attack_train_step",
+        "checkpoint",
+    ]
+    assert _names("sft") == ["sft_train", "checkpoint"]
+    order = [s.name for s in ALL_STAGES]
+    for mode in MODES:
+        names = _names(mode)
+        assert names == sorted(names, key=order.index), mode  # one order serves the manifest and redo
+
+
+def test_the_stages_that_write_weights_are_each_learners_update():
+    def updates(mode: str, *overrides: str) -> list[str]:
+        cfg = load_config(None, list(overrides), mode=mode)
+        return [s.name for s in mode_of(cfg).update_stages(cfg)]
+
+    assert updates("attack") == ["train_step"]
+    assert updates("defense") == ["train_step"]
+    assert updates("defense", "defense.self_play=true", "defense.prompts_per_goal=2") == [
+        "train_step",
+        "attack_train_step",
+    ]
+    assert updates("sft") == ["sft_train"]
+
+
+def test_every_stage_has_a_task_of_its_name():
+    assert set(STAGE_TASKS) == {s.name for s in ALL_STAGES}
+    for name, task in STAGE_TASKS.items():
+        assert getattr(task, "name", name) == name  # a Prefect task is named for its stage
+
+
+def test_an_unknown_mode_is_refused_with_the_known_ones():
+    with pytest.raises(ConfigError, match="attack, defense, sft"):
+        mode_named("rehardened")
+
+
+def test_no_stage_task_or_flow_compares_the_mode_by_name():
+    """A mode's differences live in its record: a `mode ==` elsewhere is a branch a new mode would have to find."""
+    found = []
+    for folder in ("storage", "tasks", "flows"):
+        for path in (ROOT / folder).glob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"mode\s*(==|!=)|is ATTACKER_LEARNER|is POLICY\b", line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, found
