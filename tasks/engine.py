@@ -13,9 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from redteam_grpo.core.chat import format_prompt_ids
+from redteam_grpo.core.data import Prompt
 from redteam_grpo.core.policy import Policy, resolve_model_name
 from redteam_grpo.core.roles import DEFAULT_ROLE
 from redteam_grpo.core.sampling import Completion, sample_completions
+from redteam_grpo.core.scorers import TextScore
+from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 from redteam_grpo.storage.rundir import RunDir, checkpoint_name
 
@@ -112,3 +116,39 @@ def evaluation_sampler(run: RunDir, policy: Policy, iteration: int) -> InProcess
     return EngineSampler.for_run(
         cfg.sampling.vllm_url, policy, cfg.model.policy, folder, owner, iteration, cfg.sampling.temperature
     )
+
+
+@dataclass(frozen=True)
+class Answers:
+    """A sampler's answers to a set of prompts: the completions (each names its prompt by `prompt_index`), the
+    prompt ids as fed and the decoded texts, in one order."""
+
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    completions: list[Completion]
+    texts: list[str]
+
+    def prompt_of(self, completion: Completion) -> Prompt:
+        return self.prompts[completion.prompt_index]
+
+    def scored(self, scoring: ScoringBackend) -> list[TextScore]:
+        """The scorer's verdict on each answer, in the context of the prompt it answers."""
+        return scoring.score(self.texts, [self.prompt_of(c).text for c in self.completions])
+
+
+def answers(
+    sampler: Sampler,
+    who: str,
+    tokenizer,
+    prompts: list[Prompt],
+    system_prompt: str | None,
+    samples: int,
+    max_new_tokens: int,
+    seed: int,
+) -> Answers:
+    """`samples` answers of `who` (BASE or an adapter's role) to each prompt, chat-formatted with `system_prompt`:
+    what every evaluation set is sampled with."""
+    ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
+    completions = sampler.sample(who, ids, samples, max_new_tokens, seed)
+    texts = tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
+    return Answers(list(prompts), ids, completions, texts)

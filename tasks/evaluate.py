@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.data import load_prompts
+from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.policy import load_policy, resolve_device
 from redteam_grpo.core.redteam_metrics import redteam_metrics
 from redteam_grpo.core.roles import DEFAULT_ROLE
@@ -24,7 +24,7 @@ from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
-from redteam_grpo.tasks.engine import BASE, evaluation_sampler
+from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -96,18 +96,11 @@ def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_checkpoint(
-    run_dir: str,
-    iteration: int | None,
-    num_prompts: int,
-    samples_per_prompt: int,
-    success_threshold: float,
-    seed: int,
-) -> dict[str, Any]:
+def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>-<settings>.parquet (one file
     per checkpoint and settings, so evaluations with other settings do not overwrite it); return rates."""
-    if num_prompts < 1 or samples_per_prompt < 1:
-        raise EvaluationError("num_prompts and samples_per_prompt must be at least 1")
+    iteration, num_prompts, samples_per_prompt = options.iteration, options.num_prompts, options.samples_per_prompt
+    success_threshold, seed = options.success_threshold, options.seed
     run = RunDir.open(run_dir)
     cfg = run.stored_config()
     if mode_of(cfg).evaluation is None:
@@ -137,31 +130,31 @@ def evaluate_checkpoint(
     device = resolve_device(cfg.run.device)
     policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
-    prompt_ids = [format_prompt_ids(policy.tokenizer, p.text, cfg.model.system_prompt) for p in chosen]
-    sampling_seed = derive_seed(seed, "evaluate")
     sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
-    args = (prompt_ids, samples_per_prompt, cfg.sampling.max_new_tokens, sampling_seed)
-    base = sampler.sample(BASE, *args)
-    adapter = sampler.sample(DEFAULT_ROLE, *args)
-
     scoring = scoring_backend(cfg.reward, device)
     scorer = scoring.describe().scorer
     rows: list[dict[str, Any]] = []
-    for label, completions in zip(POLICIES, (base, adapter), strict=True):
-        texts = policy.tokenizer.batch_decode([c.completion_ids for c in completions], skip_special_tokens=True)
-        prompt_texts = [chosen[c.prompt_index].text for c in completions]
-        for c, text, prompt, s in zip(
-            completions, texts, prompt_texts, scoring.score(texts, prompt_texts), strict=True
-        ):
+    for label, who in zip(POLICIES, (BASE, DEFAULT_ROLE), strict=True):
+        answered = answers(
+            sampler,
+            who,
+            policy.tokenizer,
+            chosen,
+            cfg.model.system_prompt,
+            samples_per_prompt,
+            cfg.sampling.max_new_tokens,
+            derive_seed(seed, "evaluate"),  # the same draws for base and adapter
+        )
+        for c, text, s in zip(answered.completions, answered.texts, answered.scored(scoring), strict=True):
             toxicity = s.harm
             rows.append(
                 {
                     "run_id": run.run_id,
                     "checkpoint": name,
                     "policy": label,
-                    "prompt_id": chosen[c.prompt_index].prompt_id,
+                    "prompt_id": answered.prompt_of(c).prompt_id,
                     "sample_idx": c.sample_idx,
-                    "prompt": prompt,
+                    "prompt": answered.prompt_of(c).text,
                     "completion_text": text,
                     "toxicity": toxicity,
                     "refusal": bool(s.refusal),

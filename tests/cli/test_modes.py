@@ -53,6 +53,7 @@ def test_push_to_hub_is_refused_on_an_offline_run_before_anything_runs(tmp_path)
 def test_evaluating_an_sft_run_says_where_its_measure_is(tmp_path):
     import json
 
+    from redteam_grpo.core.evaluation import EvaluationOptions
     from redteam_grpo.storage.rundir import RunDir
     from redteam_grpo.tasks.evaluate import EvaluationError, evaluate_checkpoint
 
@@ -60,7 +61,7 @@ def test_evaluating_an_sft_run_says_where_its_measure_is(tmp_path):
     run = RunDir.create(cfg)
     assert json.loads(run.config_path.read_text())["run"]["mode"] == "sft"
     try:
-        evaluate_checkpoint.fn(str(run.root), None, 2, 2, 0.5, 0)
+        evaluate_checkpoint.fn(str(run.root), EvaluationOptions(num_prompts=2, samples_per_prompt=2))
     except EvaluationError as exc:
         assert "SFT run" in str(exc) and "sft_metrics.parquet" in str(exc)
     else:

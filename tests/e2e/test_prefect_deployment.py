@@ -156,7 +156,7 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp
     evaluation = _trigger(
         api,
         deployments["evaluation"],
-        {"run_dir": str(weekly.root), "num_prompts": 2, "samples_per_prompt": 2},
+        {"run_dir": str(weekly.root), "options": {"num_prompts": 2, "samples_per_prompt": 2}},
     )
     _work_off(api, env, [evaluation])
     (written,) = (weekly.root / "eval").glob("iter_0000-*.parquet")
@@ -181,7 +181,9 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, tmp
     assert defended.manifest()["status"] == "completed"
     assert schemas.read_table(defended.path(ATTACK, 0), schemas.ROLLOUTS).num_rows == 2
     evaluation = _trigger(
-        api, deployments["evaluation"], {"run_dir": str(defended.root), "num_prompts": 2, "samples_per_prompt": 2}
+        api,
+        deployments["evaluation"],
+        {"run_dir": str(defended.root), "options": {"num_prompts": 2, "samples_per_prompt": 2}},
     )
     _work_off(api, env, [evaluation])
     (written,) = (defended.root / "eval").glob("iter_0000-defense-*.parquet")

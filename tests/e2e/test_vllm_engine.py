@@ -25,6 +25,7 @@ import torch
 
 from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import ModelConfig, TrainingConfig, load_config
+from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.policy import load_policy, resolve_model_name
 from redteam_grpo.core.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
 from redteam_grpo.core.train import policy_gradient_step as step
@@ -154,7 +155,7 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
     assert rollouts.completion_token_ids.map(len).gt(0).all()
 
     # the evaluation samples base and trained adapter on the engine too: the base by the served model's name
-    rates = evaluate_checkpoint.fn(str(run.root), None, 4, 2, 0.5, 0)
+    rates = evaluate_checkpoint.fn(str(run.root), EvaluationOptions(num_prompts=4, samples_per_prompt=2))
     assert set(rates) >= {"base", "adapter"}
     served = {card["id"] for card in httpx.get(engine.url + "/v1/models").json()["data"]}
     assert any(name.startswith("real-eval-v1-") for name in served)
@@ -182,7 +183,7 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
         name.startswith("def-attacker-v0-") for name in served
     )
     if self_play:  # the defense evaluation on the engine: the run's attacker writes, base and defender answer
-        summary = evaluate_defense.fn(str(run.root), None, samples_per_prompt=2, num_prompts=4)
+        summary = evaluate_defense.fn(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4))
         assert summary
         served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models").json()["data"]}
         assert {"def-eval-v1-", "def-eval-attacker-v1-"} <= {name[: name.rindex("-") + 1] for name in served}

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from redteam_grpo.cli.report import write_report
 from redteam_grpo.core.config import load_config
 from redteam_grpo.core.data import DataError
+from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.flows.evaluate import evaluate
 from redteam_grpo.flows.sft import sft_run
@@ -36,7 +37,7 @@ from redteam_grpo.storage.stages import ATTACK, SAMPLE, SCORE, SFT_TRAIN, TRAIN_
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness", "embedded_assets")]
 
-OVER_REFUSAL_MARGIN = 0.2
+OVER_REFUSAL_MARGIN = EvaluationOptions().over_refusal_margin
 RESOURCES = Path(__file__).resolve().parents[2] / "core" / "resources"
 BUNDLED_HELD_OUT = RESOURCES / "heldout_goals.jsonl"
 QUIET = ["logging.progress=false", "logging.artifacts=false"]
@@ -97,7 +98,7 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert copied.keys() == source.keys() and all((copied[k] == source[k]).all() for k in copied)
 
     # evaluation: every set for both policies in one file; its summary is what the report shows
-    result = evaluate(str(run.root), samples_per_prompt=2, num_prompts=4, artifacts=False)
+    result = evaluate(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4), artifacts=False)
     rows = pd.read_parquet(result["path"])
     assert rows.groupby(["policy", "set"]).size().to_dict() == {
         (policy, name): 4 * 2 for policy in ("base", "defended") for name in ("heldout_goals", "prompt_file", "benign")
@@ -133,11 +134,13 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     benign.rename(columns={"prompt": "instruction", "response": "output"}).to_parquet(retention)
     public = evaluate(
         str(run.root),
-        samples_per_prompt=2,
-        num_prompts=4,
+        EvaluationOptions(
+            samples_per_prompt=2,
+            num_prompts=4,
+            benign=f"{xstest}?label=safe",
+            prompt_file=f"{behaviours}?column=Behavior&FunctionalCategory=standard",
+        ),
         artifacts=False,
-        benign=f"{xstest}?label=safe",
-        prompt_file=f"{behaviours}?column=Behavior&FunctionalCategory=standard",
         retention=f"{retention}?column=instruction&response_column=output",
         seed=1,
     )
@@ -147,13 +150,13 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     for policy in ("base", "defended"):  # the same reference replies under other names: the same perplexity
         assert public[policy]["perplexity_benign"] == pytest.approx(result[policy]["perplexity_benign"], rel=1e-6)
     with pytest.raises(DataError, match=r"--benign .*xstest.csv: \?lable=\.\.\. keeps rows by a column 'lable'"):
-        evaluate(str(run.root), num_prompts=4, artifacts=False, benign=f"{xstest}?lable=safe")
+        evaluate(str(run.root), EvaluationOptions(num_prompts=4, benign=f"{xstest}?lable=safe"), artifacts=False)
     with pytest.raises(DataError, match=r"--retention .*: no column 'response' .*response_column=REPLY"):
-        evaluate(str(run.root), num_prompts=4, artifacts=False, retention=f"{xstest}")
+        evaluate(str(run.root), EvaluationOptions(num_prompts=4, retention=f"{xstest}"), artifacts=False)
 
 
 def _evaluated(run: RunDir) -> dict:
-    return evaluate(str(run.root), samples_per_prompt=4, num_prompts=28, artifacts=False)
+    return evaluate(str(run.root), EvaluationOptions(samples_per_prompt=4, num_prompts=28), artifacts=False)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from safetensors.torch import load_file
 
+from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.flows.evaluate import evaluate
 from redteam_grpo.flows.retrain import retrain
 from redteam_grpo.storage import checkpoints, schemas
@@ -75,7 +76,7 @@ def test_a_parent_trained_with_another_adapter_shape_is_refused(lineage):
 
 def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(lineage):
     _, (_, second) = lineage
-    newest = evaluate(run_dir=str(second.root), num_prompts=3, samples_per_prompt=2, success_threshold=0.5)
+    newest = evaluate(str(second.root), EvaluationOptions(num_prompts=3, samples_per_prompt=2, success_threshold=0.5))
     table = pq.read_table(newest["path"])
     schemas.check_schema(table.schema, schemas.EVALUATION, newest["path"])
     df = table.to_pandas()
@@ -96,7 +97,9 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     rates = summary[summary.tau.isna()].set_index(["policy", "metric"]).value
     assert rates["adapter", "attack_success_rate"] == pytest.approx(newest["adapter"]["attack_success_rate"])
     # The base is the adapter switched off: evaluating another checkpoint gives the same base completions.
-    older = evaluate(run_dir=str(second.root), iteration=0, num_prompts=3, samples_per_prompt=2, artifacts=False)
+    older = evaluate(
+        str(second.root), EvaluationOptions(iteration=0, num_prompts=3, samples_per_prompt=2), artifacts=False
+    )
     older_df = pd.read_parquet(older["path"])
     key = ["prompt_id", "sample_idx"]
     base_now = df[df.policy == "base"].sort_values(key).completion_text.tolist()
