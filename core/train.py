@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -228,6 +228,125 @@ def _all_reduced(stats: LossStats, dp: DataParallel) -> LossStats:
     return LossStats(int(n_tokens), dev, dev_sq, abs_dev, ratio_max, k3, int(n_clipped))
 
 
+@dataclass(frozen=True)
+class MicroBatchForward:
+    """One micro-batch through the trainer: per trained token, the trainer's logprob (with the whole vocabulary's,
+    for the entropy) and the sampler's recorded one, and the advantage (per row, or per token with per-turn
+    advantages)."""
+
+    logprobs_B_C_V: torch.Tensor
+    logprobs_B_C: torch.Tensor
+    sample_B_C: torch.Tensor
+    advantages_B: torch.Tensor  # [B]; per-turn advantages: [B, C]
+    mask_B_C: torch.Tensor
+
+
+def micro_batch_forward(policy: Policy, batch: TrainBatch, mb_rows: Sequence[int]) -> MicroBatchForward:
+    """The trainer's forward on the rows `mb_rows`: the ids as sampled, the sampling distribution replayed."""
+    logits_B_C_V, ids_B_C, mask_B_C = span_logits(
+        policy,
+        [[*batch.prompt_ids[i], *batch.completion_ids[i]] for i in mb_rows],
+        [batch.row_spans(i) for i in mb_rows],
+    )
+    logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
+    logprobs_B_C = token_logprobs(logprobs_B_C_V, ids_B_C)
+    sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in mb_rows], ids_B_C.shape[1]).to(policy.device)
+    if batch.turn_advantages is None:
+        advantages_B = torch.tensor([batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device)
+    else:  # per-turn: [B, C], each trained token its turn's advantage (padding: 0, masked anyway)
+        advantages_B = pad_ragged([batch.token_advantages(i) for i in mb_rows], ids_B_C.shape[1], 0.0).to(policy.device)
+    return MicroBatchForward(logprobs_B_C_V, logprobs_B_C, sample_B_C, advantages_B, mask_B_C)
+
+
+@dataclass
+class FirstUpdateDiagnostics:
+    """What the first update measures besides its loss, summed over its micro-batches: the trainer against the
+    sampler (the first-update check's KL and ratio, the logprob mismatch), the entropy, and how many tokens and
+    sequences the mismatch correction changed."""
+
+    sampler: LossStats = field(default_factory=LossStats)
+    entropy_sum: float = 0.0
+    mismatch_sum: float = 0.0
+    mismatch_max: float = 0.0
+    mismatch_over: int = 0
+    corrected_tokens: int = 0
+    corrected_sequences: int = 0
+
+    def add(
+        self,
+        forward: MicroBatchForward,
+        loss_stats: LossStats | None,
+        corrected_B_C: torch.Tensor | None,
+        mismatch_threshold: float,
+    ) -> None:
+        """One micro-batch. `loss_stats`: the loss's own statistics when its ratio is against the sampler (no
+        correction); with a correction the loss's denominator is the trainer's, so the ratio is computed here."""
+        mask_B_C = forward.mask_B_C
+        logprobs_B_C = forward.logprobs_B_C.detach()
+        self.sampler = self.sampler + (
+            loss_stats if loss_stats is not None else ratio_stats(forward.logprobs_B_C, forward.sample_B_C, mask_B_C)
+        )
+        mismatch_B_C = torch.where(mask_B_C, (logprobs_B_C - forward.sample_B_C).abs(), 0.0)
+        self.mismatch_sum += float(mismatch_B_C.sum())
+        self.mismatch_max = max(self.mismatch_max, float(mismatch_B_C.max()))
+        self.mismatch_over += int((mismatch_B_C > mismatch_threshold).sum())
+        entropy_B_C = entropy(forward.logprobs_B_C_V.detach())
+        self.entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
+        if corrected_B_C is not None:
+            self.corrected_tokens += int(corrected_B_C.sum())
+            self.corrected_sequences += int(corrected_B_C.any(-1).sum())
+
+    def all_reduced(self, dp: DataParallel) -> FirstUpdateDiagnostics:
+        """Summed over the process group (the maximum of the largest mismatch)."""
+        entropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = dp.sum(
+            [self.entropy_sum, self.mismatch_sum, self.mismatch_over, self.corrected_tokens, self.corrected_sequences]
+        )
+        (mismatch_max,) = dp.max([self.mismatch_max])
+        return FirstUpdateDiagnostics(
+            _all_reduced(self.sampler, dp),
+            entropy_sum,
+            mismatch_sum,
+            mismatch_max,
+            int(mismatch_over),
+            int(corrected_tokens),
+            int(corrected_sequences),
+        )
+
+    def check(self, tolerance: float, dtype: torch.dtype) -> None:
+        """Refuse the batch when the trainer does not see the distribution the tokens were sampled from."""
+        if not self.sampler.kl <= tolerance:  # NaN too
+            raise RatioCheckError(
+                f"first update: the trainer's logprobs differ from the sampler's by KL {self.sampler.kl:.2e} "
+                f"per token (tolerance {tolerance:.1e} for {str(dtype).removeprefix('torch.')}; "
+                f"mean |ratio - 1| {self.sampler.ratio_abs_dev:.2e}, largest |log-ratio| {self.mismatch_max:.2f}): "
+                "the trainer does not see the distribution the tokens were sampled from (a misaligned mask, "
+                "an unreplayed temperature or token suppression, other ids). The batch was not trained on. "
+                "If the sampler computes in another dtype than model.dtype, or another engine's rounding is "
+                "known to be larger, set training.first_update_kl_tolerance."
+            )
+
+    def row(
+        self, loss: float, clip_fraction: float, grad_norm: float, n_tokens: int, n_sequences: int, corrected: bool
+    ) -> dict[str, float]:
+        """The first update's part of `UpdateStats`."""
+        return {
+            "loss": loss,
+            "sampler_kl": self.sampler.kl,
+            "ratio_mean": self.sampler.ratio_mean,
+            "ratio_std": self.sampler.ratio_std,
+            "ratio_max": self.sampler.ratio_max,
+            "first_ratio_abs_dev": self.sampler.ratio_abs_dev,
+            "clip_fraction": clip_fraction,
+            "grad_norm": grad_norm,
+            "entropy": self.entropy_sum / n_tokens,
+            "logprob_mismatch_mean": self.mismatch_sum / n_tokens,
+            "logprob_mismatch_max": self.mismatch_max,
+            "logprob_mismatch_share": self.mismatch_over / n_tokens,
+            "correction_token_share": self.corrected_tokens / n_tokens if corrected else math.nan,
+            "correction_sequence_share": self.corrected_sequences / n_sequences if corrected else math.nan,
+        }
+
+
 def policy_gradient_step(
     policy: Policy,
     optimizer: torch.optim.Optimizer,
@@ -273,97 +392,45 @@ def policy_gradient_step(
     with checkpointed_layers(policy.model, cfg.gradient_checkpointing):
         for update in range(cfg.updates_per_batch):
             optimizer.zero_grad(set_to_none=True)
-            loss_total, entropy_sum = 0.0, 0.0
-            mismatch_sum, mismatch_max, mismatch_over = 0.0, 0.0, 0
-            corrected_tokens, corrected_sequences = 0, 0
-            stats, sampler_stats = LossStats(), LossStats()
+            loss_total, stats = 0.0, LossStats()
+            diagnostics = FirstUpdateDiagnostics() if update == 0 else None
             for k, mb_rows in enumerate(batches):
-                logits_B_C_V, ids_B_C, mask_B_C = span_logits(
-                    policy,
-                    [[*batch.prompt_ids[i], *batch.completion_ids[i]] for i in mb_rows],
-                    [batch.row_spans(i) for i in mb_rows],
-                )
-                logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
-                logprobs_B_C = token_logprobs(logprobs_B_C_V, ids_B_C)
-                sample_B_C = pad_ragged([batch.sample_logprobs[i] for i in mb_rows], ids_B_C.shape[1]).to(policy.device)
-                if batch.turn_advantages is None:
-                    advantages_B = torch.tensor(
-                        [batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device
-                    )
-                else:  # per-turn: [B, C], each trained token its turn's advantage (padding: 0, masked anyway)
-                    advantages_B = pad_ragged([batch.token_advantages(i) for i in mb_rows], ids_B_C.shape[1], 0.0).to(
-                        policy.device
-                    )
+                forward = micro_batch_forward(policy, batch, mb_rows)
                 weights_B_C = token_weights(
-                    mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens
+                    forward.mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens
                 ).to(policy.device)
+                corrected_B_C = None
                 if correction == "none":
-                    old_B_C = sample_B_C
+                    old_B_C = forward.sample_B_C
                 else:
                     if update == 0:
-                        trainer_old.append(logprobs_B_C.detach())
+                        trainer_old.append(forward.logprobs_B_C.detach())
                     old_B_C = trainer_old[k]
-                    factors_B_C, corrected_B_C = mismatch_weights(old_B_C, sample_B_C, mask_B_C, correction, low, high)
+                    factors_B_C, corrected_B_C = mismatch_weights(
+                        old_B_C, forward.sample_B_C, forward.mask_B_C, correction, low, high
+                    )
                     weights_B_C = weights_B_C * factors_B_C
-                    if update == 0:
-                        corrected_tokens += int(corrected_B_C.sum())
-                        corrected_sequences += int(corrected_B_C.any(-1).sum())
-                loss, mb_stats = compute_loss(logprobs_B_C, old_B_C, advantages_B, weights_B_C, mask_B_C)
+                loss, mb_stats = compute_loss(
+                    forward.logprobs_B_C, old_B_C, forward.advantages_B, weights_B_C, forward.mask_B_C
+                )
                 loss.backward()
                 loss_total += float(loss.detach())
                 stats = stats + mb_stats
-                if update == 0:
-                    # trainer vs sampler: the loss's own ratio, unless truncated IS moved its denominator
-                    sampler_stats = sampler_stats + (
-                        mb_stats if correction == "none" else ratio_stats(logprobs_B_C, sample_B_C, mask_B_C)
-                    )
-                    mismatch_B_C = torch.where(mask_B_C, (logprobs_B_C.detach() - sample_B_C).abs(), 0.0)
-                    mismatch_sum += float(mismatch_B_C.sum())
-                    mismatch_max = max(mismatch_max, float(mismatch_B_C.max()))
-                    mismatch_over += int((mismatch_B_C > cfg.logprob_mismatch_threshold).sum())
-                    entropy_B_C = entropy(logprobs_B_C_V.detach())
-                    entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
+                if diagnostics is not None:
+                    own_ratio = mb_stats if correction == "none" else None  # the loss's ratio is the sampler's
+                    diagnostics.add(forward, own_ratio, corrected_B_C, cfg.logprob_mismatch_threshold)
             if data_parallel is not None:  # one step of the whole batch, in every process
                 data_parallel.sum_gradients(params)
-                loss_total, entropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = (
-                    data_parallel.sum(
-                        [loss_total, entropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences]
-                    )
-                )
-                (mismatch_max,) = data_parallel.max([mismatch_max])
+                (loss_total,) = data_parallel.sum([loss_total])
                 stats = _all_reduced(stats, data_parallel)
-                if update == 0:
-                    sampler_stats = _all_reduced(sampler_stats, data_parallel)
+                if diagnostics is not None:
+                    diagnostics = diagnostics.all_reduced(data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            if update == 0:
-                if not sampler_stats.kl <= tolerance:  # NaN too
-                    raise RatioCheckError(
-                        f"first update: the trainer's logprobs differ from the sampler's by KL {sampler_stats.kl:.2e} "
-                        f"per token (tolerance {tolerance:.1e} for {str(policy.compute_dtype).removeprefix('torch.')}; "
-                        f"mean |ratio - 1| {sampler_stats.ratio_abs_dev:.2e}, largest |log-ratio| {mismatch_max:.2f}): "
-                        "the trainer does not see the distribution the tokens were sampled from (a misaligned mask, "
-                        "an unreplayed temperature or token suppression, other ids). The batch was not trained on. "
-                        "If the sampler computes in another dtype than model.dtype, or another engine's rounding is "
-                        "known to be larger, set training.first_update_kl_tolerance."
-                    )
-                first = {
-                    "loss": loss_total,
-                    "sampler_kl": sampler_stats.kl,
-                    "ratio_mean": sampler_stats.ratio_mean,
-                    "ratio_std": sampler_stats.ratio_std,
-                    "ratio_max": sampler_stats.ratio_max,
-                    "first_ratio_abs_dev": sampler_stats.ratio_abs_dev,
-                    "clip_fraction": stats.clip_fraction,
-                    "grad_norm": grad_norm,
-                    "entropy": entropy_sum / n_tokens,
-                    "logprob_mismatch_mean": mismatch_sum / n_tokens,
-                    "logprob_mismatch_max": mismatch_max,
-                    "logprob_mismatch_share": mismatch_over / n_tokens,
-                    "correction_token_share": math.nan if correction == "none" else corrected_tokens / n_tokens,
-                    "correction_sequence_share": (
-                        math.nan if correction == "none" else corrected_sequences / n_sequences
-                    ),
-                }
+            if diagnostics is not None:
+                diagnostics.check(tolerance, policy.compute_dtype)
+                first = diagnostics.row(
+                    loss_total, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
+                )
             if not math.isfinite(grad_norm):
                 raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")
             optimizer.step()

@@ -264,8 +264,8 @@ BUG_CLASSES = [
     (
         "micro-batch-normalised-alone",
         "core/train.py",
-        "mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens",
-        "mask_B_C, cfg.loss_normalization, int(mask_B_C.sum()), mask_B_C.shape[0], batch.max_trained_tokens",
+        "forward.mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens",
+        "forward.mask_B_C, cfg.loss_normalization, int(forward.mask_B_C.sum()), forward.mask_B_C.shape[0], batch.max_trained_tokens",
         "tests/core/test_train.py::test_micro_batches_of_one_give_the_gradient_of_the_whole_batch",
     ),
     (
@@ -300,7 +300,7 @@ BUG_CLASSES = [
         "mismatch-denominator-recomputed",
         "core/train.py",
         "old_B_C = trainer_old[k]",
-        "old_B_C = logprobs_B_C.detach()",
+        "old_B_C = forward.logprobs_B_C.detach()",
         "tests/core/test_train.py::test_truncated_is_with_another_sampler_keeps_the_first_trainer_logprobs_and_caps_the_weight",
     ),
     (
@@ -313,8 +313,8 @@ BUG_CLASSES = [
     (
         "first-update-check-refuses-rounding-noise",
         "core/train.py",
-        "if not sampler_stats.kl <= tolerance:",
-        "if not sampler_stats.ratio_abs_dev <= 1e-3:",
+        "if not self.sampler.kl <= tolerance:",
+        "if not self.sampler.ratio_abs_dev <= 1e-3:",
         "tests/core/test_first_update_check.py::test_a_correct_bfloat16_run_at_width_passes_the_first_update_check_by_default",
     ),
     (
