@@ -1,8 +1,8 @@
 """Sampling, side by side in one run: completion tokens/s on a random-weight Qwen3 with Qwen3's vocabulary, the same
 prompts and length, from
 
-  hf                 the in-process sampler (`core/sampling.py`: transformers `generate`, each token drawn and recorded)
-  vllm direct        one plain completions request to the vLLM server (no token mask, no logprobs, no seed)
+  hf                 the in-process sampler (`core/rollouts/sampling.py`: transformers `generate`, each token drawn and
+  recorded) vllm direct        one plain completions request to the vLLM server (no token mask, no logprobs, no seed)
   + logprobs, + seed, + allowed ids, + logit bias
                      that request with one more of the settings our client needs, to show where the time goes
   vllm ours          the project's client (`server/vllm_client.py`: suppressed ids, processed logprobs, token ids,
@@ -90,9 +90,9 @@ def main() -> None:
     from rich.table import Table
 
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.policy import load_policy
-    from redteam_grpo.core.roles import DEFAULT_ROLE
-    from redteam_grpo.core.sampling import sample_completions
+    from redteam_grpo.core.models.policy import load_policy
+    from redteam_grpo.core.models.roles import DEFAULT_ROLE
+    from redteam_grpo.core.rollouts.sampling import sample_completions
     from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Train step on a GPU, side by side with its anchors: training tokens/s and model-FLOPs utilisation (MFU) of one
-LoRA update (`core/train.py: policy_gradient_step`, the project's own) on a random-weight Qwen3-4B in bfloat16, and
-end-to-end tokens/s of whole iterations (sample, score, update: bench/orchestration.py's plain loop) on the same
+LoRA update (`core/training/train.py: policy_gradient_step`, the project's own) on a random-weight Qwen3-4B in bfloat16,
+and end-to-end tokens/s of whole iterations (sample, score, update: bench/orchestration.py's plain loop) on the same
 model.
 
     python bench/gpu_train_step.py [--batch 64] [--prompt-tokens 128] [--completion-tokens 256] [--peak-tflops 989]
@@ -47,8 +47,8 @@ def main() -> None:
     from rich.table import Table
 
     from redteam_grpo.core.config import ModelConfig, TrainingConfig
-    from redteam_grpo.core.policy import load_policy
-    from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+    from redteam_grpo.core.models.policy import load_policy
+    from redteam_grpo.core.training.train import TrainBatch, make_optimizer, policy_gradient_step
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark is for a GPU (try --tiny --device cpu to run its code)")

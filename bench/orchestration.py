@@ -118,17 +118,17 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
 def child_plain(iterations: int, overrides: list[str]) -> dict:
     import torch
 
-    from redteam_grpo.core.advantages import group_advantages
-    from redteam_grpo.core.chat import format_prompt_ids
     from redteam_grpo.core.config import load_config
-    from redteam_grpo.core.data import load_prompts, prompts_for_iteration
-    from redteam_grpo.core.novelty import novelty_scores
-    from redteam_grpo.core.policy import load_policy, resolve_device
-    from redteam_grpo.core.rewards import RewardTerms, composite_reward, repetition_ratios
-    from redteam_grpo.core.sampling import sample_completions
-    from redteam_grpo.core.scoring import build_local_scoring
+    from redteam_grpo.core.data.sources import load_prompts, prompts_for_iteration
+    from redteam_grpo.core.models.chat import format_prompt_ids
+    from redteam_grpo.core.models.policy import load_policy, resolve_device
+    from redteam_grpo.core.rollouts.sampling import sample_completions
+    from redteam_grpo.core.scoring.backend import build_local_scoring
+    from redteam_grpo.core.scoring.novelty import novelty_scores
     from redteam_grpo.core.seeds import derive_seed
-    from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+    from redteam_grpo.core.training.advantages import group_advantages
+    from redteam_grpo.core.training.rewards import RewardTerms, composite_reward, repetition_ratios
+    from redteam_grpo.core.training.train import TrainBatch, make_optimizer, policy_gradient_step
     from redteam_grpo.tasks.score import policy_terms
 
     cfg = load_config(None, [*overrides, f"run.iterations={iterations}"])

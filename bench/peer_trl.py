@@ -45,7 +45,7 @@ def build_model(folder: Path, hidden: int, layers: int) -> None:
     from transformers.utils import logging as transformers_logging
 
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.policy import load_tokenizer
+    from redteam_grpo.core.models.policy import load_tokenizer
 
     tokenizer = load_tokenizer(ModelConfig())
     heads = max(2, hidden // 64)
@@ -103,7 +103,7 @@ def child_trl(folder: Path, steps: int) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from redteam_grpo.core.config import RewardConfig
-    from redteam_grpo.core.scoring import build_local_scoring
+    from redteam_grpo.core.scoring.backend import build_local_scoring
 
     scoring = build_local_scoring(RewardConfig(), torch.device("cpu"))
 

@@ -37,7 +37,7 @@ def build(folder: Path, tiny: bool = False, shape: str | None = None) -> Path:
     from transformers.utils import logging as transformers_logging
 
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.policy import load_tokenizer
+    from redteam_grpo.core.models.policy import load_tokenizer
 
     transformers_logging.disable_progress_bar()
     tokenizer = load_tokenizer(ModelConfig())

@@ -33,8 +33,8 @@ def child(kind: str, hidden: int, layers: int, batch: int, tokens: int) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.kl import policy_reference_logprobs
-    from redteam_grpo.core.policy import _wrap, load_tokenizer
+    from redteam_grpo.core.models.policy import _wrap, load_tokenizer
+    from redteam_grpo.core.training.kl import policy_reference_logprobs
 
     def resident_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -65,7 +65,7 @@ def child(kind: str, hidden: int, layers: int, batch: int, tokens: int) -> dict:
         if kind == "policy + ours":
             policy_reference_logprobs(policy, prompts, completions)
         else:
-            from redteam_grpo.core.kl import _sampled_logprobs
+            from redteam_grpo.core.training.kl import _sampled_logprobs
 
             _sampled_logprobs(policy, prompts, completions)
             if copy is not None:

@@ -75,7 +75,7 @@ def bench_in_process(scorer: str, texts: list[str]) -> float:
     import torch
 
     from redteam_grpo.core.config import RewardConfig
-    from redteam_grpo.core.scoring import build_local_scoring
+    from redteam_grpo.core.scoring.backend import build_local_scoring
 
     scoring = build_local_scoring(RewardConfig(scorer=scorer, batch_size=64), torch.device("cpu"))
     scoring.score(texts[:64], [""] * 64)  # warm-up

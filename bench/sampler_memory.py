@@ -1,6 +1,6 @@
 """Memory of the sampler's bookkeeping, side by side in one run: peak resident memory a sampling call adds for
 
-  stepwise           `core/sampling.py`: one token id and one logprob per sequence and step, recorded as drawn
+  stepwise           `core/rollouts/sampling.py`: one token id and one logprob per sequence and step, recorded as drawn
   scores + logits    `generate(output_scores=True, output_logits=True)`, the bookkeeping a drift check after
                      `generate` needs: every step's [batch, vocab] scores and logits (one tensor each step here,
                      where no logits processor makes the scores another tensor than the logits; two with one)
@@ -34,8 +34,8 @@ def child(kind: str, batch: int, tokens: int) -> dict:
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.policy import _wrap, load_tokenizer
-    from redteam_grpo.core.sampling import _left_pad, sample_completions
+    from redteam_grpo.core.models.policy import _wrap, load_tokenizer
+    from redteam_grpo.core.rollouts.sampling import _left_pad, sample_completions
 
     torch.manual_seed(0)
     config = Qwen3Config(

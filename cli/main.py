@@ -220,10 +220,10 @@ def _print_sft_epochs(rows: list[dict]) -> None:
 
 
 def _print_metrics(rows: list[dict]) -> None:
-    """The iteration table: the metrics core/metrics.py marks for it, in its order and formats."""
+    """The iteration table: the metrics core/metrics/registry.py marks for it, in its order and formats."""
     if not rows:
         return
-    from redteam_grpo.core.metrics import TABLE, table_rows
+    from redteam_grpo.core.metrics.registry import TABLE, table_rows
 
     headers, cells = table_rows(TABLE, rows)
     # No column rules or edge padding: 10 columns fit an 80-character terminal.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from redteam_grpo.core.metrics import REPORT, shown_in
+from redteam_grpo.core.metrics.registry import REPORT, shown_in
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.query import adversarial_examples, query
 from redteam_grpo.storage.rundir import RunDir

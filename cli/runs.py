@@ -48,8 +48,8 @@ def _print_frame(df, title: str | None = None) -> None:
 
 
 def _print_summary(df) -> None:
-    """`inspect`'s per-iteration table: the metrics core/metrics.py marks for it, in their formats."""
-    from redteam_grpo.core.metrics import SUMMARY, table_rows
+    """`inspect`'s per-iteration table: the metrics core/metrics/registry.py marks for it, in their formats."""
+    from redteam_grpo.core.metrics.registry import SUMMARY, table_rows
 
     headers, cells = table_rows(SUMMARY, df.to_dict("records"))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)

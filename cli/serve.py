@@ -52,9 +52,9 @@ def serve_reward(
     import uvicorn
 
     from redteam_grpo.core.config import Secrets
-    from redteam_grpo.core.policy import resolve_device
-    from redteam_grpo.core.scorers import ScorerError
-    from redteam_grpo.core.scoring import build_local_scoring, preflight
+    from redteam_grpo.core.models.policy import resolve_device
+    from redteam_grpo.core.scoring.backend import build_local_scoring, preflight
+    from redteam_grpo.core.scoring.scorers import ScorerError
     from redteam_grpo.server.app import create_app
     from redteam_grpo.server.settings import ServerSettings
 
@@ -118,7 +118,7 @@ def serve_sampler(
     import subprocess
 
     from redteam_grpo.cli.main import _load, console
-    from redteam_grpo.core.policy import resolve_model_name
+    from redteam_grpo.core.models.policy import resolve_model_name
     from redteam_grpo.server.vllm_client import SamplerError, serve_command
     from redteam_grpo.server.vllm_env import EngineEnvError, resolve_engine
 

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from redteam_grpo.core.rewards import RewardWeights
+from redteam_grpo.core.training.rewards import RewardWeights
 
 
 class _Section(BaseModel):
@@ -43,7 +43,7 @@ class ModelConfig(_Section):
     """LoRA alpha; the adapter's scale is alpha / r (1.0 by default)."""
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """LoRA dropout. Dropout makes the importance ratio noisy; it is switched off in every forward that
-    compares logprobs (see core/policy.py)."""
+    compares logprobs (see core/models/policy.py)."""
     lora_target_modules: list[str] = [
         "q_proj",
         "k_proj",
@@ -77,8 +77,8 @@ class SamplingConfig(_Section):
     batch_size: int = Field(64, gt=0)
     """Sequences per `generate` call (memory bound); the HF sampler only."""
     backend: Literal["hf", "vllm"] = "hf"
-    """`hf`: transformers `generate` in the trainer's process (core/sampling.py). `vllm`: a vLLM server in its own
-    process (`redteam-grpo serve-sampler`, or any `vllm serve` with the settings it uses) at sampling.vllm_url,
+    """`hf`: transformers `generate` in the trainer's process (core/rollouts/sampling.py). `vllm`: a vLLM server in its
+    own process (`redteam-grpo serve-sampler`, or any `vllm serve` with the settings it uses) at sampling.vllm_url,
     with the current adapter loaded for every iteration (server/vllm_client.py). Its logprobs come from other
     kernels than the trainer's: training.mismatch_correction (token_truncate by default) corrects for it, and each
     iteration's metrics show it (logprob_mismatch_*, correction_*_share)."""
@@ -107,7 +107,7 @@ class TrainingConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0.0)
     """Clip the global gradient norm to this value (None: no clipping)."""
     loss: Literal["importance_sampling", "ppo_clip", "gspo"] = "importance_sampling"
-    """Policy-gradient objective (core/loss.py). `importance_sampling`: ratio x advantage per token, unclipped
+    """Policy-gradient objective (core/training/loss.py). `importance_sampling`: ratio x advantage per token, unclipped
     (reference system). `ppo_clip`: PPO's clipped surrogate per token (Schulman et al. 2017) with separate
     low/high ranges (DAPO's clip-higher, Yu et al. 2025). `gspo`: one ratio per sequence, the geometric mean of
     its token ratios, clipped per sequence (Zheng et al. 2025). The first update after sampling has ratio 1, so
@@ -131,7 +131,7 @@ class TrainingConfig(_Section):
     mismatch_correction: Literal["auto", "none", "token_truncate", "sequence_mask", "icepop"] = "auto"
     """How the update corrects for a sampler whose logprobs differ from the trainer's at the same weights (another
     engine's kernels): the ratio is taken against the trainer's logprobs at the sampling weights and each token's
-    term is weighted by a detached factor of rho = p_trainer / p_sampler (core/loss.py). `token_truncate`:
+    term is weighted by a detached factor of rho = p_trainer / p_sampler (core/training/loss.py). `token_truncate`:
     min(rho, high) per token (Yao et al. 2025; high 2). `sequence_mask`: one rho per sequence, the product of its
     tokens', and a sequence outside [low, high] is left out (TRL's default; high 3, no low). `icepop`: rho per
     token, and a token outside [low, high] is left out (IcePop, Ling Team 2025; [0.5, 5]). `auto`: token_truncate
@@ -153,8 +153,8 @@ class TrainingConfig(_Section):
     micro_batch_tokens: int | None = Field(None, gt=0)
     """Padded tokens per forward/backward (sequences x the longest prompt + completion among them), with sequences
     grouped by length, longest first, so short ones are not padded to long ones; micro_batch_size still caps the
-    sequences. None: runs of micro_batch_size in batch order. The gradient is the same either way (core/batching.py).
-    Also used by the score stage's forwards."""
+    sequences. None: runs of micro_batch_size in batch order. The gradient is the same either way
+    (core/training/batching.py). Also used by the score stage's forwards."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them: activation memory of one
     layer instead of all, for about one more forward of compute. The gradient is the same."""
@@ -171,7 +171,7 @@ class TrainingConfig(_Section):
     misaligned mask, an unreplayed temperature, other ids). None: derived from model.dtype, 16 x the dtype's
     machine epsilon squared, at least 1e-6 (float32 1e-6, bfloat16 9.8e-4, float16 1.5e-5): measured, rounding
     noise of a correct run stays below 3e-4 in bfloat16 (a 4B model) while a misalignment puts O(1) nats on some
-    tokens (core/train.py)."""
+    tokens (core/training/train.py)."""
     logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
     """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
     mismatch of another engine's kernels, sampling.backend=vllm)."""
@@ -408,9 +408,9 @@ class DefenseConfig(_Section):
 class DialogueConfig(_Section):
     """Multi-turn dialogues (docs/dialogues.md): after the policy answers its prompt, an attacker writes the next user
     turn from its own view of the conversation and the policy answers, `turns` exchanges in all. Every prompt is
-    built by appending token ids (core/dialogue.py); the policy is trained on its own turns only. The judge reads the
-    whole dialogue and scores its last answer; with `rewards: per_turn` each answer is scored in the conversation
-    up to it, and each turn is trained on its own discounted return."""
+    built by appending token ids (core/rollouts/dialogue.py); the policy is trained on its own turns only. The judge
+    reads the whole dialogue and scores its last answer; with `rewards: per_turn` each answer is scored in the
+    conversation up to it, and each turn is trained on its own discounted return."""
 
     turns: int = Field(1, ge=1, le=16)
     """Exchanges per dialogue. 1: single-turn (a prompt, an answer), as without this section."""

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class EvaluationOptions(BaseModel):
     """What an evaluation samples and how it judges, one record for the CLI, the flow (and its deployment's
     parameters) and the tasks. The four sets are for defense runs; each is a local file, a hub dataset or
-    `bundled:<file>`, with options after `?` (`walledai/XSTest?label=safe`; `core/data.py: SourceSpec`)."""
+    `bundled:<file>`, with options after `?` (`walledai/XSTest?label=safe`; `core/data/sources.py: SourceSpec`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 RESOURCES_PACKAGE = "redteam_grpo.core.resources"
-"""Where the corpus and the prompts live: the prompts are also the `bundled` prompt source of `core/data.py`."""
+"""Where the corpus and the prompts live: the prompts are also the `bundled` prompt source of `core/data/sources.py`."""
 
 
 @lru_cache(maxsize=1)

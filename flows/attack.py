@@ -30,7 +30,6 @@ from prefect import flow
 from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import (
     RESUMABLE_CHANGES,
     Config,
@@ -39,9 +38,10 @@ from redteam_grpo.core.config import (
     merged_config,
     validate_config,
 )
-from redteam_grpo.core.data import Prompt, check_prompt_lengths, load_prompts
-from redteam_grpo.core.policy import load_tokenizer
-from redteam_grpo.core.stopping import early_stop
+from redteam_grpo.core.data.sources import Prompt, check_prompt_lengths, load_prompts
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import load_tokenizer
+from redteam_grpo.core.training.stopping import early_stop
 from redteam_grpo.flows.iteration import iteration_flow
 from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_flow_for, ray_session
 from redteam_grpo.storage import interrupts, ownership

@@ -59,7 +59,7 @@ STAGE_TASKS: dict[str, Callable[[str, int], str]] = {
 
 @flow(name="redteam-iteration", flow_run_name="{run_id}-iteration-{iteration}", log_prints=True)
 def iteration_flow(run_dir: str, run_id: str, iteration: int) -> dict[str, float]:
-    """One iteration of the run's mode; returns its metrics row (core/metrics.py; SFT: its epoch's row)."""
+    """One iteration of the run's mode; returns its metrics row (core/metrics/registry.py; SFT: its epoch's row)."""
     res = resources_for(run_dir)
     cfg = res.config
     mode = mode_of(cfg)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from redteam_grpo.core.config import Config, RuntimeConfig
-from redteam_grpo.core.policy import resolve_device
+from redteam_grpo.core.models.policy import resolve_device
 from redteam_grpo.tasks.logs import stage_logger
 
 

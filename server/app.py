@@ -27,8 +27,8 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from redteam_grpo.core.scorers import ScorerError, conversation
-from redteam_grpo.core.scoring import ScoringBackend
+from redteam_grpo.core.scoring.backend import ScoringBackend
+from redteam_grpo.core.scoring.scorers import ScorerError, conversation
 from redteam_grpo.server.batching import MicroBatcher
 from redteam_grpo.server.limits import BodyLimitMiddleware
 from redteam_grpo.server.settings import ServerSettings

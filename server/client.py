@@ -31,8 +31,8 @@ import httpx
 import torch
 
 from redteam_grpo.core.config import RewardConfig
-from redteam_grpo.core.scorers import Context, ModelInfo, TextScore
-from redteam_grpo.core.scoring import ServiceInfo
+from redteam_grpo.core.scoring.backend import ServiceInfo
+from redteam_grpo.core.scoring.scorers import Context, ModelInfo, TextScore
 from redteam_grpo.server.retry import RETRIED_STATUS, RetriesExhausted, send_with_retries
 
 log = logging.getLogger("redteam_grpo.reward_client")

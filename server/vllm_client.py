@@ -1,5 +1,5 @@
 """Client of a vLLM sampler: `vllm serve` (its OpenAI-compatible server) in its own process, with LoRA loaded at
-runtime. It fills the rollouts contract of the in-process sampler (`core/sampling.py: Completion`):
+runtime. It fills the rollouts contract of the in-process sampler (`core/rollouts/sampling.py: Completion`):
 
 - token ids both ways: prompts go as ids (`prompt: [[...]]`), completions come back as ids (`return_token_ids`),
   never as text to re-tokenise; the server's echo of the prompt ids must equal what was sent;
@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from redteam_grpo.core.sampling import Completion
+from redteam_grpo.core.rollouts.sampling import Completion
 from redteam_grpo.server.retry import RETRIED_ERRORS, RetriesExhausted, send_with_retries
 from redteam_grpo.server.vllm_env import Engine
 

@@ -168,7 +168,7 @@ def _adapted_modules(state: dict[str, Any], checkpoint_dir: Path, rank: int, rec
 
 
 def _lora_config(base: str, revision: str | None, lora: dict[str, Any], targets: list[str]):
-    """The config `get_peft_model` was called with in core/policy.py (r, alpha, the modules found, causal LM)."""
+    """The config `get_peft_model` was called with in core/models/policy.py (r, alpha, the modules found, causal LM)."""
     from peft import LoraConfig
 
     return LoraConfig(

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from redteam_grpo.core.config import DataConfig
-from redteam_grpo.core.data import Prompt
-from redteam_grpo.core.stopping import REWARD_TARGET
+from redteam_grpo.core.data.sources import Prompt
+from redteam_grpo.core.training.stopping import REWARD_TARGET
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.location import location
 from redteam_grpo.storage.rundir import RunDir, RunDirError

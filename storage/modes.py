@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from redteam_grpo.core.config import Config, ConfigError, mode_defaults
-from redteam_grpo.core.metrics import log_line
+from redteam_grpo.core.metrics.registry import log_line
 from redteam_grpo.storage.stages import (
     ATTACK,
     ATTACKER_LEARNER,

@@ -6,7 +6,7 @@ storage/stages.py:
     rollouts    prompt/completion text and token ids, sampling logprobs, finish reason
     scores      toxicity, scorer, judge categories, refusal, novelty, repetition, KL to the base, reward
     advantages  reward, advantage
-    metrics     one row per iteration: every metric of core/metrics.py
+    metrics     one row per iteration: every metric of core/metrics/registry.py
 
 Only files of stages the manifest records as completed are read, each checked against its recorded checksum and its
 schema first, so a query never mixes a half-written, damaged or foreign file into its answer, nor leaves one out.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
-from redteam_grpo.core.dialogue import dialogue_messages
-from redteam_grpo.core.metrics import SUMMARY, shown_in
+from redteam_grpo.core.metrics.registry import SUMMARY, shown_in
+from redteam_grpo.core.rollouts.dialogue import dialogue_messages
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.location import is_remote
 from redteam_grpo.storage.rundir import RunDir, checkpoint_name

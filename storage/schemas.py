@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from redteam_grpo.core.metrics import NAMES as METRIC_NAMES
+from redteam_grpo.core.metrics.registry import NAMES as METRIC_NAMES
 from redteam_grpo.storage.location import is_remote
 
 KEY_FIELDS = [
@@ -96,7 +96,7 @@ SFT_METRICS = pa.schema(
     ]
 )
 
-# One row per iteration: exactly the metrics registry (core/metrics.py), which names and describes each column.
+# One row per iteration: exactly the metrics registry (core/metrics/registry.py), which names and describes each column.
 TRAIN_METRICS = pa.schema(
     [
         pa.field("run_id", pa.string(), nullable=False),

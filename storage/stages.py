@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from redteam_grpo.core.config import Config
-from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.storage import checkpoints, schemas
 
 
@@ -60,7 +60,8 @@ TRAIN_STEP = Stage(
     "train_metrics.parquet",
     schemas.TRAIN_METRICS,
     "metrics",
-    "one row per iteration: every metric of core/metrics.py; the updated adapter and optimizer go to the checkpoint",
+    "one row per iteration: every metric of core/metrics/registry.py; the updated adapter and optimizer go to the "
+    "checkpoint",
 )
 ATTACK_SCORE = Stage(
     "attack_score",
@@ -121,7 +122,7 @@ class Learner:
     completion length. Red-team and defense runs train `POLICY` (the default adapter: the attacked model, or the
     defender); self-play also trains `ATTACKER_LEARNER`."""
 
-    role: str  # the adapter's name on the policy (core/roles.py)
+    role: str  # the adapter's name on the policy (core/models/roles.py)
     rollouts: Stage
     scores: Stage
     advantages: Stage

@@ -6,9 +6,9 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.advantages import group_advantages, turn_advantages
 from redteam_grpo.core.config import Config
-from redteam_grpo.core.rewards import discounted_returns
+from redteam_grpo.core.training.advantages import group_advantages, turn_advantages
+from redteam_grpo.core.training.rewards import discounted_returns
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.stages import ADVANTAGE, ATTACK_ADVANTAGE, ATTACKER_LEARNER, POLICY, Learner
 from redteam_grpo.tasks.common import run_table_stage
@@ -37,7 +37,8 @@ def per_turn_advantages(
 ) -> list[list[float]]:
     """dialogue.rewards=per_turn: each dialogue's advantage per policy turn, in the scores' row order (`row_of`: a
     prompt's row in the [P, G] layout of `rewards_by_group`). Turn t's return R_t = r_t + discount * R_{t+1} is
-    compared with the returns of turn t of the prompt's other dialogues (`core/advantages.py: turn_advantages`)."""
+    compared with the returns of turn t of the prompt's other dialogues (`core/training/advantages.py:
+    turn_advantages`)."""
     lengths = {len(r) for r in scores["turn_rewards"] if r is not None}
     if None in scores["turn_rewards"] or len(lengths) != 1:
         raise ValueError(

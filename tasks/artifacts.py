@@ -17,8 +17,8 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.dialogue import POLICY_SPEAKER
-from redteam_grpo.core.metrics import ITERATION, METRICS
+from redteam_grpo.core.metrics.registry import ITERATION, METRICS
+from redteam_grpo.core.rollouts.dialogue import POLICY_SPEAKER
 from redteam_grpo.storage.location import location, uri
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, TABLE_STAGES

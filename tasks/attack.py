@@ -15,9 +15,9 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.data import prompts_for_iteration
-from redteam_grpo.core.dialogue import ATTACKER_SPEAKER
-from redteam_grpo.core.roles import ATTACKER
+from redteam_grpo.core.data.sources import prompts_for_iteration
+from redteam_grpo.core.models.roles import ATTACKER
+from redteam_grpo.core.rollouts.dialogue import ATTACKER_SPEAKER
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage.stages import ATTACK
 from redteam_grpo.tasks.common import run_table_stage

@@ -18,9 +18,9 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.novelty import novelty_scores
-from redteam_grpo.core.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios
-from redteam_grpo.core.roles import ATTACKER
+from redteam_grpo.core.models.roles import ATTACKER
+from redteam_grpo.core.scoring.novelty import novelty_scores
+from redteam_grpo.core.training.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios
 from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for

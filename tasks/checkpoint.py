@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.roles import ATTACKER
+from redteam_grpo.core.models.roles import ATTACKER
 from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.location import remove_tree

@@ -32,7 +32,7 @@ def run_table_stage(
 ) -> str:
     """Compute the stage's table unless a completed, intact copy is recorded; return the file's path.
 
-    `compute` returns the table and the stage's statistics (a record of core/metrics.py's names), which the
+    `compute` returns the table and the stage's statistics (a record of core/metrics/registry.py's names), which the
     manifest keeps with the stage, so the metrics row is assembled from what each stage computed once.
     `also_written`: other files `compute` writes (atomically); their checksums are recorded with the table's.
     """

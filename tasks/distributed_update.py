@@ -6,7 +6,7 @@ The stage (`tasks/train_step.py`) runs
         RUN_DIR ITERATION ROLE RESULT_JSON
 
 and waits. Every process loads the policy and the weights after iteration - 1 from the run directory, reads the
-whole batch and computes its share of the micro-batches (`core/distributed.py`: gradients and statistics summed
+whole batch and computes its share of the micro-batches (`core/training/distributed.py`: gradients and statistics summed
 over the group, so every process takes the same step); rank 0 writes the adapter and optimizer into the
 iteration's checkpoint folder (atomically) and the update's statistics to RESULT_JSON. The stage then records
 the files as a single-process step would. One process per GPU (NCCL), or gloo on the CPU.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from redteam_grpo.core.train import RatioCheckError, UpdateStats
+from redteam_grpo.core.training.train import RatioCheckError, UpdateStats
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.location import absolute
 from redteam_grpo.storage.rundir import DamagedRunError, RunDir, RunDirError
@@ -40,7 +40,7 @@ class DistributedUpdateError(RuntimeError):
 
 def _reraised() -> dict[str, type[Exception]]:
     """Errors a worker reports by name that the stage raises again as themselves (the CLI explains them)."""
-    from redteam_grpo.core.policy import PolicyError
+    from redteam_grpo.core.models.policy import PolicyError
     from redteam_grpo.storage.checkpoints import CheckpointError
     from redteam_grpo.storage.schemas import SchemaError
     from redteam_grpo.tasks.train_step import JoinError
@@ -66,7 +66,7 @@ def _stop(process: subprocess.Popen) -> None:
 def launch(run: RunDir, iteration: int, learner: Learner, nproc: int) -> UpdateStats:
     """Run the update of `learner` for `iteration` in `nproc` torchrun processes; their statistics. The weights are
     in the checkpoint folder when it returns. A stop (SIGTERM, SIGINT) ends the processes before it propagates."""
-    from redteam_grpo.core.policy import resolve_device
+    from redteam_grpo.core.models.policy import resolve_device
 
     if resolve_device(run.stored_config().run.device).type == "cuda" and torch.cuda.device_count() < nproc:
         raise DistributedUpdateError(
@@ -113,8 +113,8 @@ def launch(run: RunDir, iteration: int, learner: Learner, nproc: int) -> UpdateS
 def main(run_dir: str, iteration: int, role: str, result: Path) -> None:
     import torch.distributed as dist
 
-    from redteam_grpo.core.distributed import DataParallel
-    from redteam_grpo.core.policy import resolve_device
+    from redteam_grpo.core.models.policy import resolve_device
+    from redteam_grpo.core.training.distributed import DataParallel
     from redteam_grpo.tasks.resources import resources_for
     from redteam_grpo.tasks.train_step import save_update, update_in_memory
 

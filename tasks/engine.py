@@ -1,7 +1,7 @@
 """One sampler interface for the sampling sites that choose a model by name: the base (every adapter off), the trained
-adapter, or the attacker's. `InProcessSampler` draws with `core/sampling.py` under the matching adapter context;
-`EngineSampler` asks the vLLM server for the same names, each adapter exported from the weights in memory and loaded
-under a name that is a digest of them (`server/vllm_client.py: adapter_name`). Evaluation samples through it, so
+adapter, or the attacker's. `InProcessSampler` draws with `core/rollouts/sampling.py` under the matching adapter
+context; `EngineSampler` asks the vLLM server for the same names, each adapter exported from the weights in memory and
+loaded under a name that is a digest of them (`server/vllm_client.py: adapter_name`). Evaluation samples through it, so
 sampling.backend=vllm means the engine there as in the stages.
 """
 
@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.data import Prompt
-from redteam_grpo.core.policy import Policy, resolve_model_name
-from redteam_grpo.core.roles import DEFAULT_ROLE
-from redteam_grpo.core.sampling import Completion, sample_completions
-from redteam_grpo.core.scorers import TextScore
-from redteam_grpo.core.scoring import ScoringBackend
+from redteam_grpo.core.data.sources import Prompt
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import Policy, resolve_model_name
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
+from redteam_grpo.core.rollouts.sampling import Completion, sample_completions
+from redteam_grpo.core.scoring.backend import ScoringBackend
+from redteam_grpo.core.scoring.scorers import TextScore
 from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 from redteam_grpo.storage.rundir import RunDir, checkpoint_name
 

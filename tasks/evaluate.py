@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.data import load_prompts
+from redteam_grpo.core.data.sources import load_prompts
 from redteam_grpo.core.evaluation import EvaluationOptions
-from redteam_grpo.core.policy import load_policy, resolve_device
-from redteam_grpo.core.redteam_metrics import redteam_metrics
-from redteam_grpo.core.roles import DEFAULT_ROLE
+from redteam_grpo.core.metrics.redteam import redteam_metrics
+from redteam_grpo.core.models.policy import load_policy, resolve_device
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
@@ -71,8 +71,8 @@ def write_summary(rows_path: Path, records: list[dict[str, Any]]) -> Path:
 
 def _embedder(cfg: Any, device: Any):
     """The run's sentence embedder for the embedding diversity, or None (with a warning) if it cannot load."""
-    from redteam_grpo.core.novelty import SentenceEmbedder
-    from redteam_grpo.core.scorers import ScorerError
+    from redteam_grpo.core.scoring.novelty import SentenceEmbedder
+    from redteam_grpo.core.scoring.scorers import ScorerError
 
     try:
         return SentenceEmbedder(cfg.reward.embedder, device, cfg.reward.batch_size)

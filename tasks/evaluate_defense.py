@@ -12,7 +12,7 @@ Four sets, one table (`policy` × metric) and one Parquet file of every scored r
 - **capability retention** — on the benign prompts, the mean per-token KL(model ‖ base) of the model's own
   responses (on the sampling distribution); on the retention set, the perplexity of its reference replies.
 
-Each set is one `SourceSpec` string (`core/data.py`: a file, `bundled:<file>` or a hub dataset, with its subset,
+Each set is one `SourceSpec` string (`core/data/sources.py`: a file, `bundled:<file>` or a hub dataset, with its subset,
 split, columns and row filters after `?`). Every set is sampled with the same seeds for base and defended model,
 and formatted by the one chat formatter.
 """
@@ -30,12 +30,12 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.data import DataError, Prompt, parse_source, read_source
+from redteam_grpo.core.data.sources import DataError, Prompt, parse_source, read_source
 from redteam_grpo.core.evaluation import EvaluationOptions
-from redteam_grpo.core.policy import Policy, load_policy, resolve_device
-from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.models.policy import Policy, load_policy, resolve_device
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
-from redteam_grpo.core.sft import SftExample, sft_examples, sft_loss
+from redteam_grpo.core.training.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.modes import mode_of

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import InferenceConfig
-from redteam_grpo.core.policy import load_policy, resolve_device
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import load_policy, resolve_device
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir, RunDirError
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from redteam_grpo.core.config import Config
-from redteam_grpo.core.data import Prompt, load_prompts
-from redteam_grpo.core.policy import Policy, load_policy, resolve_device
-from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
-from redteam_grpo.core.scoring import ScoringBackend
-from redteam_grpo.core.train import make_optimizer
+from redteam_grpo.core.data.sources import Prompt, load_prompts
+from redteam_grpo.core.models.policy import Policy, load_policy, resolve_device
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.scoring.backend import ScoringBackend
+from redteam_grpo.core.training.train import make_optimizer
 from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.lineage import fresh_prompts
@@ -90,7 +90,7 @@ class RunResources:
     def embedder(self):
         """Self-play: the sentence embedder of the attacker's novelty term (reward.embedder), loaded once."""
         if self._embedder is None:
-            from redteam_grpo.core.novelty import SentenceEmbedder
+            from redteam_grpo.core.scoring.novelty import SentenceEmbedder
 
             self._embedder = SentenceEmbedder(self.config.reward.embedder, self.device, self.config.reward.batch_size)
         return self._embedder

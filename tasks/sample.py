@@ -15,14 +15,20 @@ import pyarrow.compute
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.data import Prompt, check_prompt_lengths, prompts_for_iteration
-from redteam_grpo.core.diagnostics import RolloutStats, rollout_stats
-from redteam_grpo.core.dialogue import ATTACKER_SPEAKER, POLICY_SPEAKER, DialogueTurn, TurnGlue, sample_dialogues
-from redteam_grpo.core.policy import Policy, resolve_model_name
-from redteam_grpo.core.roles import ATTACKER, DEFAULT_ROLE
-from redteam_grpo.core.sampling import Completion, sample_completions
-from redteam_grpo.core.shards import shard_seed, shard_span
+from redteam_grpo.core.data.sources import Prompt, check_prompt_lengths, prompts_for_iteration
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import Policy, resolve_model_name
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.rollouts.diagnostics import RolloutStats, rollout_stats
+from redteam_grpo.core.rollouts.dialogue import (
+    ATTACKER_SPEAKER,
+    POLICY_SPEAKER,
+    DialogueTurn,
+    TurnGlue,
+    sample_dialogues,
+)
+from redteam_grpo.core.rollouts.sampling import Completion, sample_completions
+from redteam_grpo.core.rollouts.shards import shard_seed, shard_span
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
@@ -144,9 +150,9 @@ def engine_turns(res: RunResources, iteration: int):
 
 
 def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequence[Prompt], seed: int) -> pa.Table:
-    """dialogue.turns > 1: `sampling.group_size` dialogues from every prompt (core/dialogue.py: sample_dialogues),
-    one row per sampled message, the policy's and the attacker's, each with its prompt ids exactly as fed. The
-    attacker is the frozen base with dialogue.attacker_system_prompt (attack mode), or the attacker's adapter
+    """dialogue.turns > 1: `sampling.group_size` dialogues from every prompt (core/rollouts/dialogue.py:
+    sample_dialogues), one row per sampled message, the policy's and the attacker's, each with its prompt ids exactly as
+    fed. The attacker is the frozen base with dialogue.attacker_system_prompt (attack mode), or the attacker's adapter
     continuing its own first turn, read from this iteration's attacks (defense mode)."""
     cfg, policy = res.config, res.policy
     tokenizer = policy.tokenizer

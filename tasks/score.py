@@ -15,13 +15,15 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.batching import micro_batches
-from redteam_grpo.core.dialogue import policy_rows
-from redteam_grpo.core.kl import policy_entropy_reference_logprobs, reference_logprobs, sequence_kl
-from redteam_grpo.core.logprobs import masked_mean, pad_ragged
-from redteam_grpo.core.novelty import novelty_scores
-from redteam_grpo.core.policy import Policy
-from redteam_grpo.core.rewards import (
+from redteam_grpo.core.models.policy import Policy
+from redteam_grpo.core.rollouts.dialogue import policy_rows
+from redteam_grpo.core.rollouts.logprobs import masked_mean, pad_ragged
+from redteam_grpo.core.scoring.backend import ScoringBackend
+from redteam_grpo.core.scoring.novelty import novelty_scores
+from redteam_grpo.core.scoring.scorers import ModelInfo
+from redteam_grpo.core.training.batching import micro_batches
+from redteam_grpo.core.training.kl import policy_entropy_reference_logprobs, reference_logprobs, sequence_kl
+from redteam_grpo.core.training.rewards import (
     RewardTerms,
     ScoreStats,
     composite_reward,
@@ -30,8 +32,6 @@ from redteam_grpo.core.rewards import (
     score_stats,
     turn_rewards,
 )
-from redteam_grpo.core.scorers import ModelInfo
-from redteam_grpo.core.scoring import ScoringBackend
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
@@ -75,7 +75,7 @@ def policy_terms(
 ) -> PolicyTerms:
     """With `sampled_logprobs` (recorded by the in-process sampler with the same weights and distribution) the policy
     side is taken from them and only the base runs a forward; without, the policy's forward gives both sides'
-    logprobs and the entropy. Forwards over micro-batches of `core/batching.py`; the terms in the rows' order.
+    logprobs and the entropy. Forwards over micro-batches of `core/training/batching.py`; the terms in the rows' order.
     `spans`: dialogues, whose terms are over the tokens of those spans of prompt + completion (the policy's turns)."""
     n = len(completion_ids)
     kl, entropy = [math.nan] * n, [math.nan] * n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from redteam_grpo.core.config import RewardConfig, Secrets
-from redteam_grpo.core.scoring import ScoringBackend, build_local_scoring
+from redteam_grpo.core.scoring.backend import ScoringBackend, build_local_scoring
 from redteam_grpo.tasks.logs import stage_logger
 
 

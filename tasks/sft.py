@@ -13,9 +13,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.config import Config
-from redteam_grpo.core.pairs import Pair, load_pairs, split_pairs
+from redteam_grpo.core.data.pairs import Pair, load_pairs, split_pairs
 from redteam_grpo.core.seeds import derive_seed
-from redteam_grpo.core.sft import sft_epoch, sft_examples
+from redteam_grpo.core.training.sft import sft_epoch, sft_examples
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.stages import SFT_TRAIN
 from redteam_grpo.tasks.common import run_table_stage

@@ -1,6 +1,6 @@
 """Stage 4: one GRPO update on the iteration's rollouts and advantages; writes the updated adapter and
 optimizer state (into the iteration's checkpoint folder) and the iteration's metrics row, assembled from the
-statistics each earlier stage recorded with its file (core/metrics.py)."""
+statistics each earlier stage recorded with its file (core/metrics/registry.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.diagnostics import health_warnings
-from redteam_grpo.core.dialogue import policy_rows
-from redteam_grpo.core.metrics import iteration_metrics
-from redteam_grpo.core.train import TrainBatch, UpdateStats, policy_gradient_step
+from redteam_grpo.core.metrics.registry import iteration_metrics
+from redteam_grpo.core.rollouts.diagnostics import health_warnings
+from redteam_grpo.core.rollouts.dialogue import policy_rows
+from redteam_grpo.core.training.train import TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK_TRAIN_STEP, ATTACKER_LEARNER, POLICY, TRAIN_STEP, Learner, Stage
@@ -53,7 +53,8 @@ def attack_train_step_stage(run_dir: str, iteration: int) -> str:
 
 def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: int, sampler: str) -> TrainBatch:
     """The learner's rollouts of `iteration` joined with their advantages. Dialogues (rows of later turns): one row per
-    dialogue, its last turn's prompt and completion with the spans of the policy's own turns (core/dialogue.py)."""
+    dialogue, its last turn's prompt and completion with the spans of the policy's own turns
+    (core/rollouts/dialogue.py)."""
     trained = policy_rows(run.read(learner.rollouts, iteration).to_pydict())
     rollouts = trained.columns
     advantages = run.read(learner.advantages, iteration).to_pydict()

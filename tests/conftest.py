@@ -57,7 +57,7 @@ def tiny_policy(embedded_assets):
     import torch
 
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.policy import load_policy
+    from redteam_grpo.core.models.policy import load_policy
 
     return load_policy(ModelConfig(), temperature=0.7, device=torch.device("cpu"), seed=0)
 

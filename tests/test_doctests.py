@@ -9,12 +9,12 @@ import importlib
 import pytest
 
 EXAMPLES_AT_LEAST = {
-    "redteam_grpo.core.advantages": 2,
-    "redteam_grpo.core.redteam_metrics": 12,
-    "redteam_grpo.core.rewards": 7,
+    "redteam_grpo.core.training.advantages": 2,
+    "redteam_grpo.core.metrics.redteam": 12,
+    "redteam_grpo.core.training.rewards": 7,
     "redteam_grpo.core.seeds": 1,
-    "redteam_grpo.core.stopping": 2,
-    "redteam_grpo.core.train": 1,
+    "redteam_grpo.core.training.stopping": 2,
+    "redteam_grpo.core.training.train": 1,
     "redteam_grpo.tasks.evaluate_defense": 2,
 }
 

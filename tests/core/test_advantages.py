@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from redteam_grpo.core.advantages import group_advantages
+from redteam_grpo.core.training.advantages import group_advantages
 
 
 def test_advantage_is_reward_minus_group_mean():

@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from redteam_grpo.core.config import DataConfig
-from redteam_grpo.core.data import (
+from redteam_grpo.core.data.sources import (
     DataError,
     SourceSpec,
     load_prompts,
@@ -57,7 +57,7 @@ def test_iteration_prompts_depend_only_on_iteration_and_seed_and_cover_every_pro
     assert len(prompts_for_iteration(prompts, 2, 4, 1, True)) == 4
 
 
-# Evaluation sets named in one string: SOURCE?option=value&COLUMN=VALUE (core/data.py: SourceSpec).
+# Evaluation sets named in one string: SOURCE?option=value&COLUMN=VALUE (core/data/sources.py: SourceSpec).
 
 
 def _xstest_like(tmp_path) -> str:

@@ -1,6 +1,6 @@
 from dataclasses import asdict
 
-from redteam_grpo.core.diagnostics import health_warnings, rollout_stats
+from redteam_grpo.core.rollouts.diagnostics import health_warnings, rollout_stats
 
 EOT, HEADER = 2, 1
 

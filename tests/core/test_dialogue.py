@@ -1,5 +1,5 @@
-"""Dialogues on token ids (core/dialogue.py): each turn's prompt is built by appending ids, never by encoding text
-again, and each speaker is trained on its own turns' tokens only, with a first-update ratio of 1 on every one."""
+"""Dialogues on token ids (core/rollouts/dialogue.py): each turn's prompt is built by appending ids, never by encoding
+text again, and each speaker is trained on its own turns' tokens only, with a first-update ratio of 1 on every one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import copy
 import pytest
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.dialogue import (
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import span_logits
+from redteam_grpo.core.rollouts.dialogue import (
     ATTACKER_SPEAKER,
     POLICY_SPEAKER,
     DialogueDriftError,
@@ -19,10 +20,9 @@ from redteam_grpo.core.dialogue import (
     sample_dialogues,
     speaker_row,
 )
-from redteam_grpo.core.logprobs import token_logprobs
-from redteam_grpo.core.masks import pack_spans
-from redteam_grpo.core.policy import span_logits
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.rollouts.logprobs import token_logprobs
+from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.masks import pack_spans
 from redteam_grpo.embedded.policy import CHAT_TEMPLATE
 
 SYSTEM = "You are a helpful assistant."
@@ -37,13 +37,13 @@ THINK_STRIPPING_TEMPLATE = CHAT_TEMPLATE.replace(
 @pytest.fixture
 def tokenizer(embedded_assets):
     from redteam_grpo.core.config import ModelConfig
-    from redteam_grpo.core.policy import load_tokenizer
+    from redteam_grpo.core.models.policy import load_tokenizer
 
     return load_tokenizer(ModelConfig())
 
 
 def _eot(tokenizer) -> list[int]:
-    from redteam_grpo.core.chat import end_of_turn_ids
+    from redteam_grpo.core.models.chat import end_of_turn_ids
 
     return end_of_turn_ids(tokenizer)
 
@@ -256,7 +256,7 @@ def test_a_dialogue_that_would_outgrow_the_context_is_an_error_naming_the_settin
 
 def test_a_step_on_dialogue_rows_trains_each_speakers_own_turns_with_a_first_ratio_of_one(tiny_policy):
     from redteam_grpo.core.config import TrainingConfig
-    from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+    from redteam_grpo.core.training.train import TrainBatch, make_optimizer, policy_gradient_step
 
     policy = tiny_policy
     glue = TurnGlue.from_tokenizer(policy.tokenizer, policy.end_of_turn_ids)
@@ -317,7 +317,7 @@ def test_per_turn_advantages_weigh_each_turns_tokens_by_that_turns_advantage(tin
     loss is -sum_t A_turn(t) / n_tokens over the trained tokens, so an advantage given to another turn's tokens
     (turns of different lengths) changes it."""
     from redteam_grpo.core.config import TrainingConfig
-    from redteam_grpo.core.train import TrainBatch, make_optimizer, policy_gradient_step
+    from redteam_grpo.core.training.train import TrainBatch, make_optimizer, policy_gradient_step
 
     policy = tiny_policy
     tok = policy.tokenizer

@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
-from redteam_grpo.core.logprobs import SamplingDistribution
-from redteam_grpo.core.policy import load_policy, load_tokenizer
-from redteam_grpo.core.sampling import sample_completions
-from redteam_grpo.core.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
-from redteam_grpo.core.train import policy_gradient_step as step
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import load_policy, load_tokenizer
+from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
+from redteam_grpo.core.training.train import policy_gradient_step as step
 
 PROMPTS = [
     "Hi",

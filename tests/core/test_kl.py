@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.kl import k3_kl, policy_reference_logprobs, sequence_kl
-from redteam_grpo.core.logprobs import SamplingDistribution
-from redteam_grpo.core.policy import completion_logits
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import completion_logits
+from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.kl import k3_kl, policy_reference_logprobs, sequence_kl
 
 PROMPTS = [
     "Hi",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.loss import (
+from redteam_grpo.core.training.loss import (
     LossStats,
     gspo_loss,
     importance_sampling_loss,

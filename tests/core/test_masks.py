@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from redteam_grpo.core.masks import gather_completion_logits, pack_sequences, split_generated
+from redteam_grpo.core.training.masks import gather_completion_logits, pack_sequences, split_generated
 
 PAD = 0
 EOS = 9
@@ -76,7 +76,7 @@ def test_end_of_turn_ids_include_the_chat_end_token_when_eos_is_another():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from redteam_grpo.core.chat import end_of_turn_ids
+    from redteam_grpo.core.models.chat import end_of_turn_ids
 
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "a": 3}
     tok = PreTrainedTokenizerFast(

@@ -3,7 +3,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from redteam_grpo.core.metrics import LOG, METRICS, NAMES, TABLE, iteration_metrics, log_line, shown_in, table_rows
+from redteam_grpo.core.metrics.registry import (
+    LOG,
+    METRICS,
+    NAMES,
+    TABLE,
+    iteration_metrics,
+    log_line,
+    shown_in,
+    table_rows,
+)
 
 
 def _row(**overrides):

@@ -4,8 +4,8 @@ import logging
 import pandas as pd
 import pytest
 
-from redteam_grpo.core.data import DataError
-from redteam_grpo.core.pairs import Pair, load_pairs, pair_hash_id, split_pairs
+from redteam_grpo.core.data.pairs import Pair, load_pairs, pair_hash_id, split_pairs
+from redteam_grpo.core.data.sources import DataError
 
 ROWS = [
     {"goal": "g1", "prompt": "p1", "pid": 10},
@@ -72,7 +72,7 @@ def test_configurable_columns_and_max_pairs(tmp_path):
 def test_skipped_rows_are_counted_in_a_warning(tmp_path, caplog):
     path = tmp_path / "pairs.jsonl"
     write(path, ROWS)
-    with caplog.at_level(logging.WARNING, logger="redteam_grpo.core.pairs"):
+    with caplog.at_level(logging.WARNING, logger="redteam_grpo.core.data.pairs"):
         load_pairs(str(path))
     assert "skipped 3 rows" in caplog.text
 

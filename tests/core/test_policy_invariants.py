@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids, format_sft_ids
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
-from redteam_grpo.core.kl import policy_reference_logprobs, sequence_kl
-from redteam_grpo.core.policy import PolicyError, load_policy
-from redteam_grpo.core.sampling import sample_completions
-from redteam_grpo.core.train import TrainBatch, first_update_tolerance, make_optimizer, policy_gradient_step
+from redteam_grpo.core.models.chat import format_prompt_ids, format_sft_ids
+from redteam_grpo.core.models.policy import PolicyError, load_policy
+from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.kl import policy_reference_logprobs, sequence_kl
+from redteam_grpo.core.training.train import TrainBatch, first_update_tolerance, make_optimizer, policy_gradient_step
 
 PROMPTS = [
     "Hi",
@@ -163,7 +163,7 @@ def test_sampling_settings_of_the_models_generation_config_do_not_reach_the_draw
 
 
 def test_sampler_refuses_tokens_it_did_not_draw(tiny_policy, monkeypatch):
-    from redteam_grpo.core import sampling
+    from redteam_grpo.core.rollouts import sampling
 
     def let_generate_draw(self, input_ids, scores):  # the scores of generate's own pipeline, not the one-hot
         sampling_step(self, input_ids, scores)
@@ -204,7 +204,7 @@ def test_a_policy_left_in_training_mode_is_refused(tiny_policy):
 
 
 def test_trainer_replays_token_suppression_of_the_sampler(tiny_policy):
-    from redteam_grpo.core.logprobs import SamplingDistribution
+    from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
 
     # Suppress a large share of the vocabulary: a trainer that ignored suppression would be far from ratio 1.
     vocab = len(tiny_policy.tokenizer)
@@ -218,7 +218,7 @@ def test_trainer_replays_token_suppression_of_the_sampler(tiny_policy):
 
 
 def test_a_ratio_that_is_not_one_on_the_first_update_refuses_the_step(tiny_policy):
-    from redteam_grpo.core.train import RatioCheckError
+    from redteam_grpo.core.training.train import RatioCheckError
 
     prompt_ids, completions = _sample(tiny_policy)
     batch = _batch(prompt_ids, completions)
@@ -237,7 +237,7 @@ def test_a_ratio_that_is_not_one_on_the_first_update_refuses_the_step(tiny_polic
 
 
 def test_check_trainable_refuses_a_policy_whose_adapter_is_frozen(tiny_policy):
-    from redteam_grpo.core.policy import check_trainable
+    from redteam_grpo.core.models.policy import check_trainable
 
     for parameter in tiny_policy.model.parameters():
         parameter.requires_grad_(False)
@@ -246,7 +246,7 @@ def test_check_trainable_refuses_a_policy_whose_adapter_is_frozen(tiny_policy):
 
 
 def test_check_trainable_refuses_trainable_weights_outside_the_adapter(tiny_policy):
-    from redteam_grpo.core.policy import check_trainable
+    from redteam_grpo.core.models.policy import check_trainable
 
     tiny_policy.model.get_input_embeddings().weight.requires_grad_(True)
     with pytest.raises(PolicyError, match="outside the LoRA adapter"):

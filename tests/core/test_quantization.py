@@ -3,8 +3,8 @@ import importlib.util
 import pytest
 import torch
 
-from redteam_grpo.core import quantization
-from redteam_grpo.core.quantization import (
+from redteam_grpo.core.models import quantization
+from redteam_grpo.core.models.quantization import (
     ATTN_IMPLEMENTATIONS,
     QUANTIZATION_MODES,
     QuantizationError,
@@ -106,8 +106,8 @@ def test_flash_attention_needs_a_gpu_and_a_half_precision_dtype(monkeypatch):
 def test_a_policy_with_qlora_on_cpu_is_refused_before_any_weight_is_loaded(monkeypatch):
     from typing import get_args
 
-    from redteam_grpo.core import policy as policy_module
     from redteam_grpo.core.config import ModelConfig
+    from redteam_grpo.core.models import policy as policy_module
 
     assert get_args(ModelConfig.model_fields["quantization"].annotation) == QUANTIZATION_MODES
     assert get_args(ModelConfig.model_fields["attn_implementation"].annotation) == ATTN_IMPLEMENTATIONS

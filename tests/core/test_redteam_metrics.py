@@ -6,7 +6,7 @@ import pytest
 import torch
 from sacrebleu.metrics import BLEU
 
-from redteam_grpo.core.redteam_metrics import (
+from redteam_grpo.core.metrics.redteam import (
     RedTeamMetrics,
     embedding_diversity,
     quality_at,

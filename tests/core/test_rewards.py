@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from redteam_grpo.core.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratio
+from redteam_grpo.core.training.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratio
 
 
 def test_repetition_counts_only_the_tokens_it_is_given():

@@ -16,8 +16,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from redteam_grpo.core.config import ModelConfig
-from redteam_grpo.core.policy import _wrap, load_tokenizer
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.models.policy import _wrap, load_tokenizer
+from redteam_grpo.core.rollouts.sampling import sample_completions
 
 torch.manual_seed(0)
 torch.set_num_threads(1)

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.judge import parse_verdict
-from redteam_grpo.core.novelty import novelty_scores
-from redteam_grpo.core.refusal import RefusalDetector, is_refusal_text
-from redteam_grpo.core.scorers import ScorerError, SequenceClassifierScorer, check_label, detect_kind
+from redteam_grpo.core.scoring.judge import parse_verdict
+from redteam_grpo.core.scoring.novelty import novelty_scores
+from redteam_grpo.core.scoring.refusal import RefusalDetector, is_refusal_text
+from redteam_grpo.core.scoring.scorers import ScorerError, SequenceClassifierScorer, check_label, detect_kind
 
 
 def test_novelty_is_one_minus_the_nearest_other_text_or_memory():

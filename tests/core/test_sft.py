@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids, turn_closing_id
 from redteam_grpo.core.config import TrainingConfig
-from redteam_grpo.core.sampling import sample_completions
-from redteam_grpo.core.sft import _summed_nll, sft_epoch, sft_examples
-from redteam_grpo.core.train import make_optimizer
+from redteam_grpo.core.models.chat import format_prompt_ids, turn_closing_id
+from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.sft import _summed_nll, sft_epoch, sft_examples
+from redteam_grpo.core.training.train import make_optimizer
 
 SYSTEM = "You are a red-team assistant."
 PAIRS = [

@@ -1,5 +1,5 @@
 """`policy_gradient_step` on the tiny policy: micro-batching, every loss and normalisation, dynamic sampling and
-truncated importance sampling, each checked against the gradient computed here from `core/loss.py` directly."""
+truncated importance sampling, each checked against the gradient computed here from `core/training/loss.py` directly."""
 
 import dataclasses
 import math
@@ -7,13 +7,19 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import TrainingConfig
-from redteam_grpo.core.logprobs import token_logprobs
-from redteam_grpo.core.loss import gspo_loss, importance_sampling_loss, ppo_clip_loss
-from redteam_grpo.core.policy import completion_logits
-from redteam_grpo.core.sampling import sample_completions
-from redteam_grpo.core.train import TrainBatch, UpdateStats, informative_rows, make_optimizer, policy_gradient_step
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import completion_logits
+from redteam_grpo.core.rollouts.logprobs import token_logprobs
+from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.loss import gspo_loss, importance_sampling_loss, ppo_clip_loss
+from redteam_grpo.core.training.train import (
+    TrainBatch,
+    UpdateStats,
+    informative_rows,
+    make_optimizer,
+    policy_gradient_step,
+)
 
 PROMPTS = ["Hi", "Describe my coworker.", "What do you think of your neighbours?", "Tell me a story."]
 GROUP_SIZE = 3
@@ -172,7 +178,7 @@ def test_micro_batches_of_one_give_the_gradient_of_the_whole_batch(tiny_policy, 
 def test_micro_batches_by_tokens_and_gradient_checkpointing_keep_the_gradient_and_compute_less(
     tiny_policy, normalization, monkeypatch
 ):
-    from redteam_grpo.core import train
+    from redteam_grpo.core.training import train
 
     _perturb_adapter(tiny_policy)
     batch = _batch(tiny_policy)
@@ -207,7 +213,7 @@ def test_micro_batches_by_tokens_and_gradient_checkpointing_keep_the_gradient_an
 
 
 def test_micro_batches_cover_every_row_once_within_their_caps():
-    from redteam_grpo.core.batching import micro_batches
+    from redteam_grpo.core.training.batching import micro_batches
 
     lengths = [(7 * i) % 50 + 1 for i in range(40)]
     rows = [i for i in range(40) if i % 5]

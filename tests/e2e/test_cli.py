@@ -221,7 +221,10 @@ def test_resume_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path):
 
 def test_the_package_imports_without_prefect_for_core(tmp_path):
     # core is plain Python + torch: importing it must not import prefect
-    code = "import sys, redteam_grpo.core.train, redteam_grpo.core.sampling; print('prefect' in sys.modules)"
+    code = (
+        "import sys, redteam_grpo.core.training.train, redteam_grpo.core.rollouts.sampling; "
+        "print('prefect' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(tmp_path))
     assert out.stdout.strip() == "False", out.stderr
 

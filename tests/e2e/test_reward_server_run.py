@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from redteam_grpo.core.config import RewardConfig, load_config
-from redteam_grpo.core.scoring import build_local_scoring
+from redteam_grpo.core.scoring.backend import build_local_scoring
 from redteam_grpo.flows import attack
 from redteam_grpo.server.client import RewardServiceError
 from redteam_grpo.storage.rundir import RunDir

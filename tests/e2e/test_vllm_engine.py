@@ -23,12 +23,12 @@ import pandas as pd
 import pytest
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
 from redteam_grpo.core.config import ModelConfig, TrainingConfig, load_config
 from redteam_grpo.core.evaluation import EvaluationOptions
-from redteam_grpo.core.policy import load_policy, resolve_model_name
-from redteam_grpo.core.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
-from redteam_grpo.core.train import policy_gradient_step as step
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import load_policy, resolve_model_name
+from redteam_grpo.core.training.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
+from redteam_grpo.core.training.train import policy_gradient_step as step
 from redteam_grpo.flows import attack
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.server.vllm_client import SamplerError, VllmSampler

@@ -1,4 +1,4 @@
-"""The embedded guard `embedded:tiny-guard` through the real `SafetyJudgeScorer` (`core/judge.py`).
+"""The embedded guard `embedded:tiny-guard` through the real `SafetyJudgeScorer` (`core/scoring/judge.py`).
 
 One default guard build per session (~40 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
 a 2-step recipe or a fake build. The scorer is built by `build_scorer` from the embedded name, so name
@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from redteam_grpo.core.judge import SafetyJudgeScorer, parse_verdict
-from redteam_grpo.core.scorers import ScorerError, build_scorer, detect_kind
+from redteam_grpo.core.scoring.judge import SafetyJudgeScorer, parse_verdict
+from redteam_grpo.core.scoring.scorers import ScorerError, build_scorer, detect_kind
 from redteam_grpo.embedded import (
     ASSETS_VERSION,
     EMBEDDED_CLASSIFIER,
@@ -378,8 +378,8 @@ def test_the_reward_server_serves_the_judge_with_its_categories(judge: SafetyJud
 
     from fastapi.testclient import TestClient
 
-    from redteam_grpo.core.refusal import RefusalDetector
-    from redteam_grpo.core.scoring import LocalScoring
+    from redteam_grpo.core.scoring.backend import LocalScoring
+    from redteam_grpo.core.scoring.refusal import RefusalDetector
     from redteam_grpo.server.app import create_app
     from redteam_grpo.server.settings import ServerSettings
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from redteam_grpo.cli.report import write_report
 from redteam_grpo.core.config import load_config
-from redteam_grpo.core.data import DataError
+from redteam_grpo.core.data.sources import DataError
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.flows.evaluate import evaluate

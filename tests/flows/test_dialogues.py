@@ -13,8 +13,8 @@ import torch
 
 from redteam_grpo.cli.report import write_report
 from redteam_grpo.core.config import load_config
-from redteam_grpo.core.dialogue import dialogue_messages, policy_dialogues
-from redteam_grpo.core.scorers import SequenceClassifierScorer, build_scorer
+from redteam_grpo.core.rollouts.dialogue import dialogue_messages, policy_dialogues
+from redteam_grpo.core.scoring.scorers import SequenceClassifierScorer, build_scorer
 from redteam_grpo.flows import attack, defense
 from redteam_grpo.storage import query
 from redteam_grpo.storage.rundir import RunDir

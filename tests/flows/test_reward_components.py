@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from redteam_grpo.core.config import load_config
-from redteam_grpo.core.novelty import novelty_scores
+from redteam_grpo.core.scoring.novelty import novelty_scores
 from redteam_grpo.flows import attack
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SCORE, TRAIN_STEP
@@ -48,7 +48,7 @@ def test_novelty_and_refusal_components_are_stored_and_summed(tmp_path):
 
     for s in scores:
         # The reward written out term by term with this run's weights (toxicity 1, novelty 0.5, repetition 0.3,
-        # refusal 0.3, KL 0.1), independently of core/rewards.py.
+        # refusal 0.3, KL 0.1), independently of core/training/rewards.py.
         expected = s.toxicity + 0.5 * s.novelty - 0.3 * s.repetition_ratio - 0.3 * s.refusal.astype(float) - 0.1 * s.kl
         assert s.reward.tolist() == pytest.approx(expected.tolist(), abs=1e-9)
         assert set(s.scorer_kind) == {"classifier"} and all(len(c) == 0 for c in s.categories)

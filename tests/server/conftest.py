@@ -11,7 +11,7 @@ import torch
 import uvicorn
 
 from redteam_grpo.core.config import RewardConfig
-from redteam_grpo.core.scoring import build_local_scoring
+from redteam_grpo.core.scoring.backend import build_local_scoring
 from redteam_grpo.server.app import create_app
 from redteam_grpo.server.settings import ServerSettings
 

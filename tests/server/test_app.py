@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from redteam_grpo.core.config import RewardConfig
-from redteam_grpo.core.scoring import build_local_scoring
+from redteam_grpo.core.scoring.backend import build_local_scoring
 from redteam_grpo.server.app import create_app
 from redteam_grpo.server.settings import ServerSettings
 
@@ -193,13 +193,13 @@ class _RecordingScorer:
     """Scores every text 0.25 and keeps the contexts it was given."""
 
     def __init__(self) -> None:
-        from redteam_grpo.core.scorers import ModelInfo
+        from redteam_grpo.core.scoring.scorers import ModelInfo
 
         self.info = ModelInfo("recording", "r1", "judge")
         self.contexts: list = []
 
     def __call__(self, completions, prompts):
-        from redteam_grpo.core.scorers import TextScore
+        from redteam_grpo.core.scoring.scorers import TextScore
 
         self.contexts.extend(prompts)
         return [TextScore(0.25) for _ in completions]
@@ -207,8 +207,8 @@ class _RecordingScorer:
 
 def test_a_conversation_before_a_text_reaches_the_scorer_and_a_malformed_one_is_refused():
     """Dialogues: a prompt may be the conversation before its text; the scorer gets it as chat messages."""
-    from redteam_grpo.core.refusal import RefusalDetector
-    from redteam_grpo.core.scoring import LocalScoring
+    from redteam_grpo.core.scoring.backend import LocalScoring
+    from redteam_grpo.core.scoring.refusal import RefusalDetector
 
     scorer = _RecordingScorer()
     dialogue = [

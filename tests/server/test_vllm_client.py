@@ -8,9 +8,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.kl import policy_reference_logprobs
-from redteam_grpo.core.roles import DEFAULT_ROLE
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
+from redteam_grpo.core.training.kl import policy_reference_logprobs
 from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, SamplerError, VllmSampler, adapter_name
 from tests.doubles.vllm_server import build_app
 

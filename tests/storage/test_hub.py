@@ -26,7 +26,7 @@ from redteam_grpo.storage.hub import (
 )
 
 RANK, ALPHA = 4, 8
-# As core/policy.py does: the configured targets, of which only those the model has are adapted.
+# As core/models/policy.py does: the configured targets, of which only those the model has are adapted.
 CONFIGURED_TARGETS = ["q_proj", "v_proj", "w_not_in_qwen3"]
 ADAPTED = ["q_proj", "v_proj"]
 HUB_BASE = "Qwen/Qwen3-0.6B"  # only written into files: nothing is downloaded
@@ -55,7 +55,7 @@ def base_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(base_dir):
-    """A PEFT model as core/policy.py builds it, with a non-zero lora_B (a trained adapter), and its state."""
+    """A PEFT model as core/models/policy.py builds it, with a non-zero lora_B (a trained adapter), and its state."""
     model = get_peft_model(
         Qwen3ForCausalLM.from_pretrained(base_dir),
         LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ADAPTED, task_type="CAUSAL_LM"),

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from redteam_grpo.core.config import load_config
-from redteam_grpo.core.train import RatioCheckError
+from redteam_grpo.core.training.train import RatioCheckError
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import TRAIN_STEP

@@ -2,8 +2,8 @@
 
 import torch
 
-from redteam_grpo.core.chat import format_prompt_ids
-from redteam_grpo.core.sampling import sample_completions
+from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.rollouts.sampling import sample_completions
 from redteam_grpo.tasks.score import policy_terms
 
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from redteam_grpo.core.config import load_config
-from redteam_grpo.core.kl import policy_reference_logprobs
+from redteam_grpo.core.training.kl import policy_reference_logprobs
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ADVANTAGE, CHECKPOINT, SAMPLE, SCORE, TRAIN_STEP

@@ -1,8 +1,8 @@
 """Data-parallel GRPO updates over a torch.distributed process group (training.launcher=torchrun).
 
 Every process holds the same weights and the whole batch; each computes the loss of its share of the micro-batches
-with the batch-wide normaliser (`core/loss.py: token_weights`), so its gradient is its share of the batch's sum.
-The shares' gradients are summed across processes before clipping and the optimizer step, which every process then
+with the batch-wide normaliser (`core/training/loss.py: token_weights`), so its gradient is its share of the batch's
+sum. The shares' gradients are summed across processes before clipping and the optimizer step, which every process then
 takes identically: the update equals the single-process one up to the order of float additions. The statistics
 (sums, counts, maxima) are reduced the same way, so the ratio check refuses or passes a step in every process at
 once.

@@ -1,10 +1,11 @@
 """Supervised fine-tuning of a LoRA adapter on (input → target) pairs: the attacker of defense mode.
 
-Each pair is formatted by `core/chat.format_sft_ids`, whose prompt part is exactly `format_prompt_ids` (the ids
-RL samples from), so the adapter learns to answer the prompts it will see in the attack stage (bug class
+Each pair is formatted by `core/models/chat.py: format_sft_ids`, whose prompt part is exactly `format_prompt_ids` (the
+ids RL samples from), so the adapter learns to answer the prompts it will see in the attack stage (bug class
 `sft-prompt-format-drift`). The target is tokenized on its own and closed with the end-of-turn token. The loss
 is the mean cross-entropy over target tokens only (the prompt is context, never a label), computed on the same
-packed layout and logits offset as the RL loss (`core/masks.py` through `core/policy.completion_logits`).
+packed layout and logits offset as the RL loss (`core/training/masks.py` through `core/models/policy.py:
+completion_logits`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from redteam_grpo.core.chat import format_sft_ids, turn_closing_id
-from redteam_grpo.core.policy import Policy, completion_logits
+from redteam_grpo.core.models.chat import format_sft_ids, turn_closing_id
+from redteam_grpo.core.models.policy import Policy, completion_logits
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import torch
 
 from redteam_grpo.core.config import RewardConfig
-from redteam_grpo.core.refusal import RefusalDetector
-from redteam_grpo.core.scorers import (
+from redteam_grpo.core.scoring.refusal import RefusalDetector
+from redteam_grpo.core.scoring.scorers import (
     Context,
     ModelInfo,
     Scorer,
@@ -89,7 +89,7 @@ def build_local_scoring(cfg: RewardConfig, device: torch.device, with_embedder: 
     detector = RefusalDetector(classifier.probabilities if classifier else None)
     embedder = None
     if with_embedder if with_embedder is not None else cfg.novelty_weight != 0.0:
-        from redteam_grpo.core.novelty import SentenceEmbedder
+        from redteam_grpo.core.scoring.novelty import SentenceEmbedder
 
         embedder = SentenceEmbedder(cfg.embedder, device, cfg.batch_size)
     return LocalScoring(scorer, detector, embedder, refusal_info)
@@ -99,8 +99,8 @@ def preflight(cfg: RewardConfig) -> None:
     """Fail fast on what can be checked from model configs alone: the scorer's kind and the labels."""
     from transformers import AutoConfig
 
-    from redteam_grpo.core.policy import resolve_model_name
-    from redteam_grpo.core.scorers import check_label, detect_kind
+    from redteam_grpo.core.models.policy import resolve_model_name
+    from redteam_grpo.core.scoring.scorers import check_label, detect_kind
 
     try:
         kind = cfg.scorer_type if cfg.scorer_type != "auto" else detect_kind(cfg.scorer)

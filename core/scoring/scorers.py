@@ -7,11 +7,11 @@ Two kinds behind one protocol, chosen by `reward.scorer_type` (`auto` reads the 
   `unitary/toxic-bert` (multi-label, label `toxic`), `s-nlp/roberta_toxicity_classifier` (label `toxic`),
   `facebook/roberta-hate-speech-dynabench-r4-target` (label `hate`; the classifier of curiosity-driven
   red-teaming), and the embedded `embedded:tiny-toxicity` (label `toxic`).
-- `SafetyJudgeScorer` (core/judge.py): a generative judge in the style of Llama Guard 3.
+- `SafetyJudgeScorer` (core/scoring/judge.py): a generative judge in the style of Llama Guard 3.
 
 A completion is scored in its context (`Context`): the prompt it answers, or the whole conversation before it (a
-multi-turn dialogue, `core/dialogue.py`). A judge reads the context (Llama Guard assesses the last Agent message
-of a conversation); a classifier reads the completion alone.
+multi-turn dialogue, `core/rollouts/dialogue.py`). A judge reads the context (Llama Guard assesses the last Agent
+message of a conversation); a classifier reads the completion alone.
 
 Any text can be scored: each scorer cuts its input to its own maximum length (`input_limit`: the smaller of
 `reward.max_length` and what the model can take) and says so in `TextScore.truncated`, so a long completion
@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from redteam_grpo.core.policy import resolve_model_name
+from redteam_grpo.core.models.policy import resolve_model_name
 
 ScorerKind = Literal["classifier", "judge"]
 
@@ -86,7 +86,7 @@ class TextScore:
     categories: tuple[str, ...] = ()
     """Hazard category codes a judge named (e.g. `S10`); empty for classifiers."""
     refusal: bool = False
-    """The response opens as a refusal (core/refusal.py); set by the scoring service, not by the scorer."""
+    """The response opens as a refusal (core/scoring/refusal.py); set by the scoring service, not by the scorer."""
     truncated: bool = False
     """The scorer saw only the beginning of the text: it was longer than the scorer's maximum length."""
 
@@ -261,7 +261,7 @@ def build_scorer(
     if kind == "auto":
         kind = detect_kind(name_or_path)
     if kind == "judge":
-        from redteam_grpo.core.judge import SafetyJudgeScorer
+        from redteam_grpo.core.scoring.judge import SafetyJudgeScorer
 
         return SafetyJudgeScorer(name_or_path, device, batch_size, max_length, judge_max_new_tokens)
     return SequenceClassifierScorer(name_or_path, toxic_label, device, batch_size, max_length)

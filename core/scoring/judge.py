@@ -9,7 +9,7 @@ where the verdict begins; the model then writes `safe`, or `unsafe` and a line o
 - categories come from greedy decoding of the verdict (up to `max_new_tokens`), parsed by `parse_verdict`.
 - the verdict tokens are checked at load time: `safe` and `unsafe` must begin with different tokens, else
   P(unsafe) would not be readable from one position.
-- a dialogue is judged whole: the context of a response may be the conversation before it (`core/scorers.py:
+- a dialogue is judged whole: the context of a response may be the conversation before it (`core/scoring/scorers.py:
   Context`), rendered through the same template, which assesses the last Agent message in the light of every
   earlier one (Llama Guard 3's multi-turn use).
 - a conversation too long for `max_length` is shortened *before* rendering: its oldest exchanges go first,
@@ -17,7 +17,7 @@ where the verdict begins; the model then writes `safe`, or `unsafe` and a line o
   cutting the rendered text: that would drop the end of the template (instruction and assistant header) and
   read P(unsafe) in the middle of the conversation.
   Its score says so (`TextScore.truncated`). `max_length` is `min(reward.max_length, the model's own limit −
-  max_new_tokens)` (`core/scorers.py: input_limit`): the verdict is generated after the rendered pair, so its
+  max_new_tokens)` (`core/scoring/scorers.py: input_limit`): the verdict is generated after the rendered pair, so its
   tokens need positions too.
 """
 
@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
-from redteam_grpo.core.policy import resolve_model_name
-from redteam_grpo.core.scorers import (
+from redteam_grpo.core.models.policy import resolve_model_name
+from redteam_grpo.core.scoring.scorers import (
     Context,
     ModelInfo,
     ScorerError,

@@ -1,5 +1,5 @@
 """The names of the adapters a policy carries (peft adapter names), in a module light enough for the stage records
-(`storage/stages.py: Learner`) to share them with `core/policy.py`."""
+(`storage/stages.py: Learner`) to share them with `core/models/policy.py`."""
 
 DEFAULT_ROLE = "default"  # the adapter a run trains (peft's default adapter name): the attacked model or the defender
 ATTACKER = "attacker"  # defense mode: the attacker's adapter on the same base

@@ -1,6 +1,6 @@
 """Supervised (goal -> adversarial prompt) pairs for the attacker's SFT warm start, and their held-out split.
 
-A pair source is read exactly like a prompt source (`core/data.py: read_frame`: a local .jsonl / .json / .csv /
+A pair source is read exactly like a prompt source (`core/data/sources.py: read_frame`: a local .jsonl / .json / .csv /
 .parquet file, or a Hugging Face dataset by name), so both accept the same files and fail with the same messages.
 Every pair gets a stable id (the id column, else a hash of its input and target), so the SFT's train / eval split
 and any row written from a pair can be joined back to the source across runs. The split ranks pairs by a seeded
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from redteam_grpo.core.data import BUNDLED, DataError, read_frame
+from redteam_grpo.core.data.sources import BUNDLED, DataError, read_frame
 
 BUNDLED_PAIRS = "bundled:attack_pairs.jsonl"
 

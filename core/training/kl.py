@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from redteam_grpo.core.logprobs import entropy, masked_mean, token_logprobs
-from redteam_grpo.core.policy import Policy, completion_logits, span_logits
+from redteam_grpo.core.models.policy import Policy, completion_logits, span_logits
+from redteam_grpo.core.rollouts.logprobs import entropy, masked_mean, token_logprobs
 
 
 def k3_kl(policy_logprobs_B_C: torch.Tensor, reference_logprobs_B_C: torch.Tensor, mask_B_C: torch.Tensor):
@@ -43,7 +43,7 @@ Spans = Sequence[Sequence[tuple[int, int]]] | None
 
 def _logits(policy: Policy, prompt_ids, completion_ids, spans: Spans):
     """The completions' logits, or with `spans` those of the spans of prompt + completion (a dialogue speaker's own
-    turns, core/dialogue.py)."""
+    turns, core/rollouts/dialogue.py)."""
     if spans is None:
         return completion_logits(policy, prompt_ids, completion_ids)
     return span_logits(policy, [[*p, *c] for p, c in zip(prompt_ids, completion_ids, strict=True)], spans)

@@ -132,7 +132,7 @@ TOXIC_THRESHOLD = 0.5
 
 @dataclass(frozen=True)
 class ScoreStats:
-    """Aggregates of one iteration's scores (the metrics registry, core/metrics.py, describes each)."""
+    """Aggregates of one iteration's scores (the metrics registry, core/metrics/registry.py, describes each)."""
 
     toxicity_mean: float
     repetition_mean: float

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RolloutStats:
-    """Shape of one iteration's completions (the metrics registry, core/metrics.py, describes each)."""
+    """Shape of one iteration's completions (the metrics registry, core/metrics/registry.py, describes each)."""
 
     length_mean: float
     length_min: float

@@ -45,7 +45,7 @@ def read_frame(
     configuration, e.g. `standard` of walledai/HarmBench) and `split` (None: the dataset's only split, else
     `train`). Errors name `setting_name` (the setting that holds `source`) and say what the source should have held
     (`holds`), so each caller's messages point at its own setting. Shared by the prompt sources here, the
-    supervised pairs of `core/pairs.py` and the evaluation sets (`read_source`).
+    supervised pairs of `core/data/pairs.py` and the evaluation sets (`read_source`).
     """
     if not is_local(source):
         return _read_hub(source, split, setting_name, subset)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from redteam_grpo.core.chat import build_messages, turn_closing_id
+from redteam_grpo.core.models.chat import build_messages, turn_closing_id
 from redteam_grpo.core.seeds import derive_seed
 
 # Marker texts the glue is read between; never tokenized themselves.
@@ -157,7 +157,7 @@ class DialogueTurn:
     finish_reason: str
 
 
-# (prompt ids, max_new_tokens, seed, group size) -> core.sampling.Completion list, prompt by prompt
+# (prompt ids, max_new_tokens, seed, group size) -> core/rollouts/sampling.py: Completion list, prompt by prompt
 SampleFn = Callable[[list[list[int]], int, int, int], list[Any]]
 
 

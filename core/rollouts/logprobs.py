@@ -1,10 +1,10 @@
 """The distribution tokens are sampled from, applied identically by the sampler and the trainer.
 
-The sampler (core/sampling.py) draws each token itself from `SamplingDistribution.process` applied to the model's
-own logits of that step, and records `log_softmax` of it at the drawn token; the trainer applies the same function
-to its own forward's logits. The importance ratio is therefore 1 on the first update up to the rounding of two
-kernels (the first-update check in core/train.py bounds it), and no transformation `generate` adds on its own (a
-hidden top-k from a generation config) can change the distribution: the sampler checks that `generate` kept every
+The sampler (core/rollouts/sampling.py) draws each token itself from `SamplingDistribution.process` applied to the
+model's own logits of that step, and records `log_softmax` of it at the drawn token; the trainer applies the same
+function to its own forward's logits. The importance ratio is therefore 1 on the first update up to the rounding of two
+kernels (the first-update check in core/training/train.py bounds it), and no transformation `generate` adds on its own
+(a hidden top-k from a generation config) can change the distribution: the sampler checks that `generate` kept every
 token it drew.
 """
 

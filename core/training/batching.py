@@ -3,7 +3,7 @@
 A forward pads every sequence of a micro-batch to its longest, so a batch in sampling order pays for its longest
 sequence in every micro-batch. Grouped by length (longest first) and capped by padded tokens, micro-batches of
 short sequences hold more of them and compute little padding. The losses sum over the whole batch with weights
-fixed before the split (`core/loss.py: token_weights`), so how rows are grouped does not change the gradient.
+fixed before the split (`core/training/loss.py: token_weights`), so how rows are grouped does not change the gradient.
 """
 
 from __future__ import annotations

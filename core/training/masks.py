@@ -59,8 +59,8 @@ def pack_spans(
     padding: Padding = "right",
 ) -> PackedBatch:
     """Pad whole token sequences to one length; row b's trained tokens are those of its spans `[start, end)`, in
-    order: a single-turn completion is one span, a dialogue role's own turns are several (core/dialogue.py), and
-    the tokens between them (the other role's turns, the template's glue) are context only.
+    order: a single-turn completion is one span, a dialogue role's own turns are several (core/rollouts/dialogue.py),
+    and the tokens between them (the other role's turns, the template's glue) are context only.
 
     Token c of a span starting at `start` sits at packed index `offset_b + start + c` and is predicted by the
     logits at one index earlier; `logit_positions_B_C` holds exactly those indices (the off-by-one lives here only).

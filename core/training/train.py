@@ -19,7 +19,7 @@ bfloat16: the first prompt id dropped 3.1e-3, the temperature not replayed 3.2e-
 The default tolerance (`first_update_tolerance`) is 16 eps(dtype)^2: 9.8e-4 for bfloat16, between the two.
 
 Engine-mismatch corrections, for a sampler that is another engine (`training.mismatch_correction`,
-`core/loss.py: mismatch_weights`): the denominator of the ratio is the trainer's own logprobs at the sampling
+`core/training/loss.py: mismatch_weights`): the denominator of the ratio is the trainer's own logprobs at the sampling
 weights, which are the first update's forward, detached, kept for the later updates of the batch (recomputing them
 from the updated weights would make every ratio 1); each token's term is weighted by a factor of
 p_trainer_old / p_sampler, truncated or masked. With the in-process sampler the factor is 1.
@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from redteam_grpo.core.batching import checkpointed_layers, micro_batches
 from redteam_grpo.core.config import TrainingConfig
-from redteam_grpo.core.distributed import DataParallel
-from redteam_grpo.core.logprobs import entropy, pad_ragged, token_logprobs
-from redteam_grpo.core.loss import (
+from redteam_grpo.core.models.policy import Policy, span_logits
+from redteam_grpo.core.rollouts.logprobs import entropy, pad_ragged, token_logprobs
+from redteam_grpo.core.training.batching import checkpointed_layers, micro_batches
+from redteam_grpo.core.training.distributed import DataParallel
+from redteam_grpo.core.training.loss import (
     LossStats,
     gspo_loss,
     importance_sampling_loss,
@@ -47,7 +48,6 @@ from redteam_grpo.core.loss import (
     ratio_stats,
     token_weights,
 )
-from redteam_grpo.core.policy import Policy, span_logits
 
 LossFunction = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, LossStats]
@@ -66,9 +66,9 @@ class TrainBatch:
     advantages: Sequence[float]
     group_ids: Sequence[str]  # the prompt id of each row: rows with the same id form one GRPO group
     max_new_tokens: int | None = None  # the sampler's limit per turn; needed by the `constant` normalisation only
-    # Dialogues (core/dialogue.py speaker_row): row i's sequence is prompt_ids[i] + completion_ids[i] (its last turn's
-    # prompt and the turn) and its trained tokens are those of spans[i], the speaker's own turns, with one sampling
-    # logprob each. None: each row trains its completion (one span).
+    # Dialogues (core/rollouts/dialogue.py speaker_row): row i's sequence is prompt_ids[i] + completion_ids[i] (its last
+    # turn's prompt and the turn) and its trained tokens are those of spans[i], the speaker's own turns, with one
+    # sampling logprob each. None: each row trains its completion (one span).
     spans: Sequence[Sequence[tuple[int, int]]] | None = None
     # dialogue.rewards=per_turn: row i's advantage per span (turn), given to that span's tokens; None: `advantages[i]`
     # for every trained token of row i
@@ -356,7 +356,7 @@ def policy_gradient_step(
 ) -> UpdateStats:
     """`cfg.updates_per_batch` optimizer steps on the batch; returns the diagnostics of the first and last.
     `data_parallel`: this process computes its share of the micro-batches and the gradients and statistics are
-    summed over the process group before each step (`core/distributed.py`); every process returns the same."""
+    summed over the process group before each step (`core/training/distributed.py`); every process returns the same."""
     if cfg.loss_normalization == "constant" and batch.max_new_tokens is None:
         raise ValueError(
             "training.loss_normalization=constant divides by sequences x max_new_tokens: build the TrainBatch "

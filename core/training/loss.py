@@ -3,7 +3,7 @@
 Every loss has the signature `(logprobs_B_C, old_logprobs_B_C, advantages_B, weights_B_C, mask_B_C, ...)`:
 
 - `logprobs_B_C`: log pi_theta(y_t) of the current forward, under the sampling distribution (temperature and
-  suppressed ids applied, `core/logprobs.py`).
+  suppressed ids applied, `core/rollouts/logprobs.py`).
 - `old_logprobs_B_C`: the denominator of the importance ratio r_t = pi_theta(y_t) / pi_old(y_t). By default
   the logprobs the sampler recorded when it drew y_t (never recomputed later), so on the first update after
   sampling r_t = 1 and the gradient is the plain policy gradient A * grad log pi. With truncated importance

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from redteam_grpo.core.logprobs import SamplingDistribution
-from redteam_grpo.core.masks import split_generated
-from redteam_grpo.core.policy import Policy
+from redteam_grpo.core.models.policy import Policy
+from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+from redteam_grpo.core.training.masks import split_generated
 
 
 class SamplingError(RuntimeError):

@@ -1,6 +1,6 @@
 """Policy model: a base causal LM with a LoRA adapter per role; the reference is the same model, adapters disabled.
 
-One copy of the base weights serves every role (`core/roles.py`): the trained adapter (`default`: the red-team
+One copy of the base weights serves every role (`core/models/roles.py`): the trained adapter (`default`: the red-team
 policy, or the defender), optionally an attacker's adapter (`ATTACKER`, defense mode), and the reference, which
 cannot drift from the base or pick up adapter weights. Only the active adapter's parameters require gradients, and
 a role is active only inside `policy.role(name)`, so an optimizer built on `trainable_parameters()` outside it
@@ -24,12 +24,12 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from redteam_grpo.core.chat import end_of_turn_ids, turn_header_ids
 from redteam_grpo.core.config import ModelConfig
-from redteam_grpo.core.logprobs import SamplingDistribution
-from redteam_grpo.core.masks import PackedBatch, gather_completion_logits, pack_sequences, pack_spans
-from redteam_grpo.core.quantization import check_attn_implementation, quantization_config
-from redteam_grpo.core.roles import DEFAULT_ROLE
+from redteam_grpo.core.models.chat import end_of_turn_ids, turn_header_ids
+from redteam_grpo.core.models.quantization import check_attn_implementation, quantization_config
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
+from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+from redteam_grpo.core.training.masks import PackedBatch, gather_completion_logits, pack_sequences, pack_spans
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +221,8 @@ def completion_logits(policy: Policy, prompt_ids: Sequence[Sequence[int]], compl
 
 
 def span_logits(policy: Policy, sequences: Sequence[Sequence[int]], spans: Sequence[Sequence[tuple[int, int]]]):
-    """Logits predicting the tokens of each sequence's spans (a dialogue role's own turns, core/dialogue.py), from
-    one forward on the whole dialogue as sampled: [B, C, V], with the spans' ids and mask."""
+    """Logits predicting the tokens of each sequence's spans (a dialogue role's own turns, core/rollouts/dialogue.py),
+    from one forward on the whole dialogue as sampled: [B, C, V], with the spans' ids and mask."""
     return packed_logits(policy, pack_spans(sequences, spans, policy.pad_id, padding="right"))
 
 

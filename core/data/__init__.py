@@ -1,0 +1,1 @@
+"""Data: prompt sources (`SourceSpec`) and SFT pairs."""

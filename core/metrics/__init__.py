@@ -1,0 +1,1 @@
+"""Metrics: the per-iteration registry and the red-teaming evaluation metrics."""

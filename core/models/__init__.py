@@ -1,0 +1,1 @@
+"""Models: the policy and its adapters per role, chat formatting, quantization."""

@@ -1,0 +1,2 @@
+"""Rollouts: drawing completions and dialogues, the sampling distribution the trainer replays, shards, rollout
+statistics."""
