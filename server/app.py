@@ -21,9 +21,10 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
@@ -114,160 +115,185 @@ def authorize(request: Request, credentials: Annotated[HTTPAuthorizationCredenti
         raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer $REDTEAM_GRPO_REWARD_TOKEN)")
 
 
-def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBackend]) -> FastAPI:
-    """An app that loads its backend with `load_backend` in a worker thread once it starts."""
-    state: dict[str, Any] = {"backend": None, "error": None}
-    score_batcher = MicroBatcher(
-        lambda items: state["backend"].score([c for c, _ in items], [p for _, p in items]),
-        settings.max_batch,
-        settings.max_wait_ms / 1000,
-    )
-    embed_batcher = MicroBatcher(
-        lambda texts: list(state["backend"].embed(texts)), settings.max_batch, settings.max_wait_ms / 1000
-    )
+@dataclass
+class Service:
+    """What the routes share, kept on `app.state.service`: the settings, the backend once loaded (or the error that
+    stopped it loading) and the micro-batchers in front of it."""
 
-    async def load() -> None:
+    settings: ServerSettings
+    load_backend: Callable[[], ScoringBackend]
+    backend: ScoringBackend | None = None
+    error: str | None = None
+    score_batcher: MicroBatcher = field(init=False)
+    embed_batcher: MicroBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        wait = self.settings.max_wait_ms / 1000
+        self.score_batcher = MicroBatcher(
+            lambda items: self.backend.score([c for c, _ in items], [p for _, p in items]),
+            self.settings.max_batch,
+            wait,
+        )
+        self.embed_batcher = MicroBatcher(lambda texts: list(self.backend.embed(texts)), self.settings.max_batch, wait)
+
+    async def load(self) -> None:
+        """Load the backend in a worker thread; a failure is kept for /ready, and the process stays up to say so."""
         started = time.perf_counter()
         try:
-            state["backend"] = await asyncio.to_thread(load_backend)
-        except Exception as exc:  # reported by /ready; the process stays up so the error can be read
-            state["error"] = f"{type(exc).__name__}: {exc}"
-            log.error("loading the scorer failed: %s", state["error"])
+            self.backend = await asyncio.to_thread(self.load_backend)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("loading the scorer failed: %s", self.error)
             return
-        log.info("ready in %.1f s: %s", time.perf_counter() - started, state["backend"].describe().scorer)
+        log.info("ready in %.1f s: %s", time.perf_counter() - started, self.backend.describe().scorer)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await score_batcher.start()
-        await embed_batcher.start()
-        loader = asyncio.create_task(load())
-        yield
-        loader.cancel()
-        await score_batcher.stop()
-        await embed_batcher.stop()
-
-    app = FastAPI(
-        title="redteam-grpo reward server",
-        summary="Scores completions for red-team GRPO: harm probability, judge categories, refusal flag.",
-        version="1",
-        lifespan=lifespan,
-    )
-    app.state.settings = settings
-    app.state.score_batcher = score_batcher
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = rid[:128]
-        started = time.perf_counter()
-        response = await call_next(request)
-        response.headers["X-Request-ID"] = request.state.request_id
-        log.info(
-            "request_id=%s %s %s -> %d in %.1f ms",
-            request.state.request_id,
-            request.method,
-            request.url.path,
-            response.status_code,
-            (time.perf_counter() - started) * 1000,
-        )
-        return response
-
-    def backend_or_503() -> ScoringBackend:
-        if state["error"] is not None:
-            raise HTTPException(503, f"the scorer failed to load: {state['error']}")
-        if state["backend"] is None:
+    def ready_backend(self) -> ScoringBackend:
+        if self.error is not None:
+            raise HTTPException(503, f"the scorer failed to load: {self.error}")
+        if self.backend is None:
             raise HTTPException(503, "the scorer is still loading; poll GET /ready")
-        return state["backend"]
+        return self.backend
 
-    def check_length(text: str, where: str) -> None:
-        if len(text) > settings.max_chars:
+    def check_length(self, text: str, where: str) -> None:
+        if len(text) > self.settings.max_chars:
             raise HTTPException(
-                422, f"{where} has {len(text)} characters; the limit is {settings.max_chars} (--max-chars)"
+                422, f"{where} has {len(text)} characters; the limit is {self.settings.max_chars} (--max-chars)"
             )
 
-    def check_texts(texts: list[str], field: str) -> None:
-        if len(texts) > settings.max_texts:
+    def check_texts(self, texts: list[str], field: str) -> None:
+        if len(texts) > self.settings.max_texts:
             raise HTTPException(
-                413, f"{len(texts)} {field} in one request; the limit is {settings.max_texts} (--max-texts)"
+                413, f"{len(texts)} {field} in one request; the limit is {self.settings.max_texts} (--max-texts)"
             )
         for i, text in enumerate(texts):
-            check_length(text, f"{field}[{i}]")
+            self.check_length(text, f"{field}[{i}]")
 
-    @app.get("/health", summary="The process is up.")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get(
-        "/ready", summary="The models are loaded; what they are and the request limits.", responses=ERROR_RESPONSES
-    )
-    async def ready() -> dict[str, Any]:
-        backend = backend_or_503()
-        return {
-            "ready": True,
-            "service": backend.describe().as_dict(),
-            "limits": {
-                "max_texts": settings.max_texts,
-                "max_chars": settings.max_chars,
-                "max_body_bytes": settings.max_body_bytes,
-            },
-            "batching": {
-                "max_batch": settings.max_batch,
-                "max_wait_ms": settings.max_wait_ms,
-                "batches_run": score_batcher.batches_run,
-                "requests_served": score_batcher.requests_served,
-            },
-        }
-
-    @app.post("/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
-    async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
-        backend = backend_or_503()
-        check_texts(body.texts, "texts")
+    def contexts(self, body: ScoreRequest) -> list[str | list[dict[str, str]]]:
+        """Each text's context, checked: its prompt, or a conversation that ends where the text answers it."""
         prompts = body.prompts if body.prompts is not None else [""] * len(body.texts)
         if len(prompts) != len(body.texts):
             raise HTTPException(422, f"{len(prompts)} prompts for {len(body.texts)} texts: send one prompt per text")
         contexts: list[str | list[dict[str, str]]] = []
         for i, (text, prompt) in enumerate(zip(body.texts, prompts, strict=True)):
             if isinstance(prompt, str):
-                check_length(prompt, f"prompts[{i}]")
+                self.check_length(prompt, f"prompts[{i}]")
                 contexts.append(prompt)
                 continue
             messages = [m.model_dump() for m in prompt]
             for k, message in enumerate(messages):
-                check_length(message["content"], f"prompts[{i}][{k}].content")
+                self.check_length(message["content"], f"prompts[{i}][{k}].content")
             try:
                 conversation(messages, text)
             except ScorerError as exc:
                 raise HTTPException(422, f"prompts[{i}]: {exc}") from None
             contexts.append(messages)
-        scores = await score_batcher.submit(list(zip(body.texts, contexts, strict=True)))
-        info = backend.describe().scorer
-        return ScoreResponse(
-            results=[
-                TextResult(
-                    score=s.harm,
-                    categories=list(s.categories),
-                    refusal=s.refusal,
-                    truncated=s.truncated,
-                )
-                for s in scores
-            ],
-            scorer=ModelInfoOut(**info.__dict__),
-            request_id=request.state.request_id,
-        )
+        return contexts
 
-    @app.post("/embed", response_model=EmbedResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
-    async def embed(body: EmbedRequest, request: Request) -> EmbedResponse:
-        backend = backend_or_503()
-        info = backend.describe().embedder
-        if info is None:
-            raise HTTPException(409, "this server has no embedder: start it with --embedder to serve novelty")
-        check_texts(body.texts, "texts")
-        rows = await embed_batcher.submit(body.texts)
-        return EmbedResponse(
-            embeddings=[[float(x) for x in row.tolist()] for row in rows],
-            embedder=ModelInfoOut(**info.__dict__),
-            request_id=request.state.request_id,
-        )
 
+def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(service)]
+router = APIRouter()
+
+
+@router.get("/health", summary="The process is up.")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="The models are loaded; what they are and the request limits.", responses=ERROR_RESPONSES)
+async def ready(svc: ServiceDep) -> dict[str, Any]:
+    backend, settings = svc.ready_backend(), svc.settings
+    return {
+        "ready": True,
+        "service": backend.describe().as_dict(),
+        "limits": {
+            "max_texts": settings.max_texts,
+            "max_chars": settings.max_chars,
+            "max_body_bytes": settings.max_body_bytes,
+        },
+        "batching": {
+            "max_batch": settings.max_batch,
+            "max_wait_ms": settings.max_wait_ms,
+            "batches_run": svc.score_batcher.batches_run,
+            "requests_served": svc.score_batcher.requests_served,
+        },
+    }
+
+
+@router.post("/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
+async def score(body: ScoreRequest, request: Request, svc: ServiceDep) -> ScoreResponse:
+    backend = svc.ready_backend()
+    svc.check_texts(body.texts, "texts")
+    contexts = svc.contexts(body)
+    scores = await svc.score_batcher.submit(list(zip(body.texts, contexts, strict=True)))
+    return ScoreResponse(
+        results=[
+            TextResult(score=s.harm, categories=list(s.categories), refusal=s.refusal, truncated=s.truncated)
+            for s in scores
+        ],
+        scorer=ModelInfoOut(**backend.describe().scorer.__dict__),
+        request_id=request.state.request_id,
+    )
+
+
+@router.post("/embed", response_model=EmbedResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
+async def embed(body: EmbedRequest, request: Request, svc: ServiceDep) -> EmbedResponse:
+    info = svc.ready_backend().describe().embedder
+    if info is None:
+        raise HTTPException(409, "this server has no embedder: start it with --embedder to serve novelty")
+    svc.check_texts(body.texts, "texts")
+    rows = await svc.embed_batcher.submit(body.texts)
+    return EmbedResponse(
+        embeddings=[[float(x) for x in row.tolist()] for row in rows],
+        embedder=ModelInfoOut(**info.__dict__),
+        request_id=request.state.request_id,
+    )
+
+
+async def request_id(request: Request, call_next):
+    """Tag the request and its response with an id (the client's X-Request-ID, or a new one) and log both."""
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = rid[:128]
+    started = time.perf_counter()
+    response = await call_next(request)
+    response.headers["X-Request-ID"] = request.state.request_id
+    log.info(
+        "request_id=%s %s %s -> %d in %.1f ms",
+        request.state.request_id,
+        request.method,
+        request.url.path,
+        response.status_code,
+        (time.perf_counter() - started) * 1000,
+    )
+    return response
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    svc: Service = app.state.service
+    await svc.score_batcher.start()
+    await svc.embed_batcher.start()
+    loader = asyncio.create_task(svc.load())
+    yield
+    loader.cancel()
+    await svc.score_batcher.stop()
+    await svc.embed_batcher.stop()
+
+
+def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBackend]) -> FastAPI:
+    """An app that loads its backend with `load_backend` in a worker thread once it starts."""
+    app = FastAPI(
+        title="redteam-grpo reward server",
+        summary="Scores completions for red-team GRPO: harm probability, judge categories, refusal flag.",
+        version="1",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings  # read by `authorize`
+    app.state.service = Service(settings, load_backend)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.middleware("http")(request_id)
+    app.include_router(router)
     return app
