@@ -2,7 +2,9 @@
 examples as markdown (behind a content warning), and links to its Parquet files. Per evaluation, its rates.
 
 Artifact keys are per run (`<run-id>-metrics`, ...), so the UI shows each iteration as a new version of the
-same artifact. Outside a flow run there is nowhere to publish, and these tasks are not called.
+same artifact. Outside a flow run there is nowhere to publish, and these functions are not called.
+An iteration's artifacts are created in its flow run, by a plain function rather than a task: a task run of its own
+would add Prefect's per-task cost to every iteration and show nothing more in the UI.
 """
 
 from __future__ import annotations
@@ -84,7 +86,6 @@ def files_markdown(paths: list[Path]) -> str:
     return "\n".join(f"- [{p.name}]({uri(p)})" for p in paths if p.is_file())
 
 
-@task(name="publish-iteration", cache_policy=NO_CACHE)
 def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top_k: int) -> None:
     run = RunDir.open(run_dir)
     rid = run.run_id
