@@ -139,10 +139,10 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
             num_prompts=4,
             benign=f"{xstest}?label=safe",
             prompt_file=f"{behaviours}?column=Behavior&FunctionalCategory=standard",
+            retention=f"{retention}?column=instruction&response_column=output",
+            seed=1,
         ),
         artifacts=False,
-        retention=f"{retention}?column=instruction&response_column=output",
-        seed=1,
     )
     public_rows = pd.read_parquet(public["path"])
     assert set(public_rows[public_rows.set == "benign"].prompt) <= set(benign.prompt)  # no unsafe contrast
