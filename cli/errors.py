@@ -127,3 +127,26 @@ def user_errors(command: F) -> F:
             raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+M = TypeVar("M")
+
+
+def options_from_flags(model: type[M], flags: dict[str, str] | None = None, **values: Any) -> M:
+    """`model(**values)` from a command's options; a value the model refuses is one `error:` line naming the option
+    (`flags`: a field's option where it is not `--field-name`), exit 2."""
+    from pydantic import ValidationError
+
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        from redteam_grpo.cli.main import console
+
+        names = flags or {}
+
+        def option(loc: tuple) -> str:
+            return names.get(str(loc[0]), "--" + "-".join(map(str, loc)).replace("_", "-"))
+
+        problems = "; ".join(f"{option(e['loc'])}: {e['msg']}" for e in exc.errors())
+        console.print(f"[red]error:[/red] {problems}")
+        raise typer.Exit(2) from None

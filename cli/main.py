@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
-from redteam_grpo.cli.errors import user_errors
+from redteam_grpo.cli.errors import options_from_flags, user_errors
 from redteam_grpo.storage.location import location
 
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
@@ -270,24 +270,18 @@ def infer(
     verbose: VerboseOption = False,
 ) -> None:
     """Generate a response from a checkpoint of a run (sampling options that RL runs refuse are allowed here)."""
-    from pydantic import ValidationError
-
     from redteam_grpo.core.config import InferenceConfig
 
-    try:
-        options = InferenceConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_new_tokens=min_new_tokens,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-        )
-    except ValidationError as exc:
-        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
-        console.print(f"[red]error:[/red] {problems}")
-        raise typer.Exit(2) from None
+    options = options_from_flags(
+        InferenceConfig,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_new_tokens=min_new_tokens,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+    )
     offline_environment(True)
     quiet_libraries(verbose)
     from redteam_grpo.tasks.infer import InferenceError, generate_from_checkpoint

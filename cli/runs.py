@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
-from redteam_grpo.cli.errors import user_errors
+from redteam_grpo.cli.errors import options_from_flags, user_errors
 from redteam_grpo.core.evaluation import EvaluationOptions
 
 RunArg = Annotated[
@@ -209,31 +209,23 @@ def evaluate(
         from redteam_grpo.flows.console import keep_tracebacks_off_console
 
         keep_tracebacks_off_console()
-    from pydantic import ValidationError
 
     from redteam_grpo.flows.evaluate import evaluate as evaluate_flow
     from redteam_grpo.tasks.evaluate import EvaluationError
 
-    flags = {"num_prompts": "--prompts", "samples_per_prompt": "--samples", "success_threshold": "--threshold"}
-    try:
-        options = EvaluationOptions(
-            iteration=iteration,
-            num_prompts=prompts,
-            samples_per_prompt=samples,
-            success_threshold=threshold,
-            seed=seed,
-            heldout_goals=heldout_goals,
-            prompt_file=prompt_file,
-            benign=benign,
-            retention=retention,
-        )
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{flags.get(str(e['loc'][0]), '--' + str(e['loc'][0]).replace('_', '-'))}: {e['msg']}"
-            for e in exc.errors()
-        )
-        console.print(f"[red]error:[/red] {problems}")
-        raise typer.Exit(2) from None
+    options = options_from_flags(
+        EvaluationOptions,
+        {"num_prompts": "--prompts", "samples_per_prompt": "--samples", "success_threshold": "--threshold"},
+        iteration=iteration,
+        num_prompts=prompts,
+        samples_per_prompt=samples,
+        success_threshold=threshold,
+        seed=seed,
+        heldout_goals=heldout_goals,
+        prompt_file=prompt_file,
+        benign=benign,
+        retention=retention,
+    )
     try:
         with console.status(f"evaluating {run.run_id}: {prompts} prompts x {samples} samples, base and adapter"):
             result = evaluate_flow(str(run.root), options)
