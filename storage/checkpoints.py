@@ -40,6 +40,9 @@ def save_adapter(path: Path, state: dict[str, torch.Tensor]) -> None:
     save_tensors(path, state)
 
 
+OPTIMIZER_METADATA = "optimizer"  # the metadata entry of an optimizer file: param groups and non-tensor state
+
+
 def save_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
     """AdamW state without pickle: per-parameter tensors keyed `state.<index>.<name>`, groups as JSON."""
     state = optimizer.state_dict()
@@ -50,7 +53,11 @@ def save_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
                 tensors[f"state.{index}.{name}"] = value
             else:
                 scalars[f"{index}.{name}"] = value
-    metadata = {"param_groups": json.dumps(state["param_groups"]), "scalars": json.dumps(scalars)}
+    # One metadata entry, its JSON keys sorted: safetensors writes a metadata map in hash order, which differs
+    # between processes, so two entries made two identical optimizer states different files.
+    metadata = {
+        OPTIMIZER_METADATA: json.dumps({"param_groups": state["param_groups"], "scalars": scalars}, sort_keys=True)
+    }
     if not tensors:  # safetensors cannot store an empty file with metadata only in every version
         tensors["__empty__"] = torch.zeros(0)
     save_tensors(path, tensors, metadata)
@@ -62,8 +69,11 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
             metadata = handle.metadata() or {}
             names = [k for k in handle.keys() if k != "__empty__"]  # noqa: SIM118 (safe_open is not a dict)
             tensors = {k: handle.get_tensor(k) for k in names}
-        param_groups = json.loads(metadata["param_groups"])
-        scalars = json.loads(metadata.get("scalars", "{}"))
+        if OPTIMIZER_METADATA in metadata:
+            groups_and_scalars = json.loads(metadata[OPTIMIZER_METADATA])
+        else:  # written before the two entries became one
+            groups_and_scalars = {k: json.loads(metadata.get(k, "{}")) for k in ("param_groups", "scalars")}
+        param_groups, scalars = groups_and_scalars["param_groups"], groups_and_scalars["scalars"]
     except Exception as exc:  # safetensors raises its own error types for truncated files
         raise CheckpointError(f"{path} is not a valid optimizer state: {exc}") from None
     state: dict[int, dict[str, Any]] = {}

@@ -86,6 +86,32 @@ def test_optimizer_state_round_trips_without_pickle(tmp_path):
         torch.testing.assert_close(p, q)
 
 
+def test_the_same_optimizer_state_is_always_the_same_file(tmp_path):
+    # so that comparing two runs' checkpoints by checksum means something: safetensors orders a metadata map by hash,
+    # which changes from one map to the next (two entries differed in about half of the saves)
+    _, opt = _optimizer()
+    files = [tmp_path / f"opt{i}.safetensors" for i in range(10)]
+    for path in files:
+        checkpoints.save_optimizer(path, opt)
+    assert len({path.read_bytes() for path in files}) == 1
+
+
+def test_an_optimizer_file_with_its_groups_and_scalars_in_two_entries_still_loads(tmp_path):
+    params, opt = _optimizer()
+    state = opt.state_dict()
+    tensors = {f"state.{i}.{k}": v for i, values in state["state"].items() for k, v in values.items() if k != "step"}
+    scalars = {
+        f"{i}.step": values["step"] for i, values in state["state"].items() if not torch.is_tensor(values["step"])
+    }
+    tensors |= {f"state.{i}.step": v["step"] for i, v in state["state"].items() if torch.is_tensor(v["step"])}
+    metadata = {"param_groups": json.dumps(state["param_groups"]), "scalars": json.dumps(scalars)}
+    checkpoints.save_tensors(tmp_path / "old.safetensors", tensors, metadata)
+    fresh = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=5.0)
+    checkpoints.load_optimizer(tmp_path / "old.safetensors", fresh)
+    assert fresh.state_dict()["param_groups"] == state["param_groups"]
+    torch.testing.assert_close(fresh.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
 def test_optimizer_for_other_parameters_is_refused(tmp_path):
     _, opt = _optimizer()
     checkpoints.save_optimizer(tmp_path / "opt.safetensors", opt)
