@@ -5,7 +5,7 @@ the flow run as crashed (or cancelled, when a worker asked), and then sends the 
 that was installed before it, so that the process still ends. Left to Python's default, that second delivery
 kills the process on the spot: no message, no exit status of ours, and the ephemeral API server Prefect started
 is left running. The handler installed here raises the same exception as Prefect's instead, so the call
-unwinds normally: `attack_run` marks the run `interrupted`, the command prints how to resume and exits 143
+unwinds normally: `run_iterations` marks the run `interrupted`, the command prints how to resume and exits 143
 (SIGTERM) or 130 (SIGINT), as a shell reports a process ended by that signal, and Prefect's exit hook stops
 its server. SIGINT, which Prefect leaves alone, raises KeyboardInterrupt as usual.
 

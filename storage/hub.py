@@ -1,11 +1,11 @@
 """Share a checkpoint's LoRA adapter on the Hugging Face hub, as a folder `PeftModel.from_pretrained` loads.
 
 A checkpoint holds `adapter.safetensors` (`get_peft_model_state_dict` output, keys like
-`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`: exactly what PEFT saves), the optimizer and RNG
+`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`: exactly what PEFT saves), the optimizer
 state, and a manifest naming the base model and the LoRA shape. `export_adapter_folder` turns it into PEFT's own
 layout: the same tensors as `adapter_model.safetensors`, an `adapter_config.json` written by `peft.LoraConfig`
 (so its fields are the installed PEFT's), and a model card. `push_adapter` uploads only that folder, so the
-optimizer and RNG state never leave the machine, into a repository that is private unless asked otherwise: the
+optimizer state never leaves the machine, into a repository that is private unless asked otherwise: the
 adapter was trained to push a model into unsafe output.
 
 The token comes from the caller or `HF_TOKEN`, never from a file of the run; without one nothing is sent.
@@ -95,8 +95,8 @@ def push_adapter(
     """Upload the adapter of `checkpoint_dir` to the model repository `repo_id` (created if missing); returns the
     URL of the commit.
 
-    Only the exported PEFT folder is sent (adapter weights, adapter config, model card), never the optimizer or
-    RNG state or the manifest. `token` defaults to $HF_TOKEN. With `private` (the default) an existing public
+    Only the exported PEFT folder is sent (adapter weights, adapter config, model card), never the optimizer
+    state or the manifest. `token` defaults to $HF_TOKEN. With `private` (the default) an existing public
     repository is refused: the hub applies `private` only when it creates a repository.
     """
     token = token or os.environ.get(TOKEN_VARIABLE) or None

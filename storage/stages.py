@@ -93,7 +93,7 @@ SFT_TRAIN = Stage(
     "sft: one epoch over the training pairs, loss on target tokens only; the held-out loss after it",
 )
 CHECKPOINT = Stage(
-    "checkpoint", None, None, None, "seals the iteration's checkpoint: RNG state, then its manifest, written last"
+    "checkpoint", None, None, None, "seals the iteration's checkpoint: its manifest, written last over the weights"
 )
 
 # Every stage in the order stages run within an iteration; each mode runs a subsequence of it, so one order

@@ -1,4 +1,4 @@
-"""Stage 5: seal the iteration's checkpoint (RNG state, manifest written last) and prune old ones. Also writes
+"""Stage 5: seal the iteration's checkpoint (its manifest, written last) and prune old ones. Also writes
 the initial checkpoint a run starts from."""
 
 from __future__ import annotations
