@@ -70,7 +70,7 @@ def evaluation_html(run: RunDir) -> str:
 
 
 def dialogue_html(messages, answer_scores=None) -> str:
-    """A dialogue turn by turn: who said what, in order; with `answer_scores` (scores.parquet: turn_toxicity), each
+    """A dialogue turn by turn: who said what, in order; with `answer_scores` (scores.parquet: turn_harm), each
     answer's harm score in the conversation up to it."""
     known = answer_scores is not None and not isinstance(answer_scores, float)  # a null cell may read as NaN
     scores = iter(list(answer_scores) if known else [])
@@ -95,11 +95,11 @@ def render_report(run: RunDir, top_k: int = 20) -> str:
     # dialogues (dialogue.turns > 1) are shown turn by turn in one cell; a single turn as prompt and completion
     dialogues = any(len(m) > 2 for m in examples.get("messages", []))
     texts = ["dialogue"] if dialogues else ["prompt", "completion"]
-    header = ["iteration", "checkpoint", "toxicity", "reward", "refusal", "categories", *texts]
+    header = ["iteration", "checkpoint", "harm", "reward", "refusal", "categories", *texts]
 
     def cell(row, column: str) -> str:
         if column == "dialogue":
-            return dialogue_html(row["messages"], row.get("turn_toxicity"))
+            return dialogue_html(row["messages"], row.get("turn_harm"))
         return html.escape(_fmt(row[column]))
 
     rows = "\n".join(
@@ -128,7 +128,7 @@ vertical-align: top; text-align: left; }} .warning {{ background: #fff3cd; paddi
 <div class="plots">{plots}</div>
 <h2>Evaluation against the base model</h2>
 {evaluation_html(run)}
-<h2>Top {len(examples)} adversarial examples by toxicity</h2>
+<h2>Top {len(examples)} adversarial examples by harm</h2>
 <p class="warning" id="content-warning"><strong>Content warning:</strong> the examples below were produced to be
 harmful or offensive. They are research data; do not publish them without care.</p>
 <table id="examples"><tr>{"".join(f"<th>{h}</th>" for h in header)}</tr>

@@ -120,7 +120,7 @@ def inspect(
 @user_errors
 def export(
     run_dir: RunArg,
-    min_score: Annotated[float, typer.Option(help="Keep completions with toxicity >= this.")] = 0.5,
+    min_score: Annotated[float, typer.Option(help="Keep completions with harm >= this.")] = 0.5,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Output folder (default: RUN/export).")] = None,
     hf: Annotated[bool, typer.Option("--hf", help="Also write a Hugging Face `datasets` folder.")] = False,
     include_refusals: Annotated[bool, typer.Option(help="Keep completions flagged as refusals.")] = True,
@@ -148,7 +148,7 @@ def export(
     except ExportError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    console.print(f"{len(df)} examples with toxicity >= {min_score}: " + ", ".join(map(str, written)))
+    console.print(f"{len(df)} examples with harm >= {min_score}: " + ", ".join(map(str, written)))
 
 
 @user_errors

@@ -273,10 +273,10 @@ class RewardConfig(_Section):
     scorer_type: Literal["auto", "classifier", "judge"] = "auto"
     """`auto` tells a classifier from a judge by the model's architecture."""
     toxic_label: str = "toxic"
-    """The classifier label whose probability is the toxicity score; checked against the model's id2label."""
+    """The classifier label whose probability is the harm score; checked against the model's id2label."""
     judge_max_new_tokens: int = Field(16, gt=0)
     """Tokens a judge may generate for its verdict and category codes (the score is read at the first)."""
-    toxicity_weight: float = 1.0
+    harm_weight: float = 1.0
     """Weight of the harm score (a classifier's P(toxic) or a judge's P(unsafe)); red-team reference recipe: 1.0,
     defense: 0."""
     safety_weight: float = Field(0.0, ge=0.0)
@@ -334,7 +334,7 @@ class RewardConfig(_Section):
     def weights(self) -> RewardWeights:
         """The reward weights as one typed record."""
         return RewardWeights(
-            toxicity=self.toxicity_weight,
+            harm=self.harm_weight,
             safety=self.safety_weight,
             entropy=self.entropy_weight,
             repetition=self.repetition_weight,
@@ -431,7 +431,7 @@ class DialogueConfig(_Section):
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """gamma of the per-turn returns: 1 pays an early answer for every later one, 0 for its own alone."""
     score_each_turn: bool = False
-    """Also score every earlier answer in the conversation up to it (`scores.parquet: turn_toxicity`), for
+    """Also score every earlier answer in the conversation up to it (`scores.parquet: turn_harm`), for
     inspection; `rewards: per_turn` always does. One more scorer call per earlier answer."""
 
 
@@ -610,7 +610,7 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "data": {"source": "bundled:goals.jsonl", "prompt_column": "goal", "id_column": "goal_id"},
         "reward": {
             "scorer": "embedded:tiny-guard",
-            "toxicity_weight": 0.0,
+            "harm_weight": 0.0,
             "safety_weight": 1.0,
             "entropy_weight": 0.05,
             "repetition_weight": 0.0,
@@ -678,6 +678,7 @@ MOVED_KEYS = {
     "training.kl_beta": "moved to reward.kl_weight (the KL weight is a reward term)",
     "reward.repetition_penalty": "renamed reward.repetition_weight",
     "reward.refusal_penalty": "renamed reward.refusal_weight",
+    "reward.toxicity_weight": "renamed reward.harm_weight (the scorer's score is the harm score in every mode)",
     "training.clip_epsilon": "replaced by training.loss=ppo_clip with training.ppo_clip_epsilon_low/high",
     "sampling.top_p": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-p` has it)",
     "sampling.top_k": "removed: RL sampling keeps the distribution the trainer replays (`infer --top-k` has it)",

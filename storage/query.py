@@ -4,7 +4,7 @@ Views (one row per completion unless said otherwise), over every completed itera
 storage/stages.py:
 
     rollouts    prompt/completion text and token ids, sampling logprobs, finish reason
-    scores      toxicity, scorer, judge categories, refusal, novelty, repetition, KL to the base, reward
+    scores      harm, scorer, judge categories, refusal, novelty, repetition, KL to the base, reward
     advantages  reward, advantage
     metrics     one row per iteration: every metric of core/metrics/registry.py
 
@@ -78,7 +78,7 @@ def conversations(con: duckdb.DuckDBPyConnection, examples: pd.DataFrame) -> lis
 
 
 def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None = None) -> pd.DataFrame:
-    """Completions with toxicity >= min_score, best first, with lineage: run, iteration, the checkpoint whose
+    """Completions with harm >= min_score, best first, with lineage: run, iteration, the checkpoint whose
     weights sampled them, the base model, and the scorer and its revision."""
     config = run.stored_config()
     manifest = run.manifest()
@@ -86,15 +86,15 @@ def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None 
         df = con.execute(
             """
             select r.run_id, r.iteration, r.prompt_id, r.sample_idx, r.prompt, r.completion_text as completion,
-                   s.toxicity, s.turn_toxicity, s.reward, s.refusal, s.categories, s.novelty, r.finish_reason,
+                   s.harm, s.turn_harm, s.reward, s.refusal, s.categories, s.novelty, r.finish_reason,
                    r.policy_version,
                    s.scorer_name, s.scorer_revision, s.scorer_kind
             from (
                 select * from rollouts where speaker = 'policy'  -- a dialogue's last answer: the one scored
                 qualify row_number() over (partition by run_id, iteration, prompt_id, sample_idx order by turn desc) = 1
             ) r join scores s using (run_id, iteration, prompt_id, sample_idx)
-            where s.toxicity >= ?
-            order by s.toxicity desc, r.iteration, r.prompt_id, r.sample_idx
+            where s.harm >= ?
+            order by s.harm desc, r.iteration, r.prompt_id, r.sample_idx
             """
             + (f" limit {int(limit)}" if limit is not None else ""),
             [min_score],

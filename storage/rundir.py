@@ -6,7 +6,7 @@
       iter_0000/rollouts.parquet  scores.parquet  advantages.parquet  train_metrics.parquet
       iter_0000/rollouts-00000-of-00004.parquet ...   runtime.shards=4: one part per shard (the manifest lists them)
       checkpoints/init/           the adapter before any update (LoRA init is random)
-      checkpoints/iter_0000/      adapter.safetensors optimizer.safetensors rng.safetensors manifest.json
+      checkpoints/iter_0000/      adapter.safetensors optimizer.safetensors manifest.json
 
 A stage counts as completed only when its files exist with the checksums the manifest recorded after they
 were renamed into place; anything else (a missing entry, a `.tmp-` file, a changed file) is recomputed.
@@ -38,8 +38,13 @@ from redteam_grpo.storage.modes import MODES, mode_of
 from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 8
+RUN_FORMAT = 9
 FORMAT_CHANGES = {
+    8: (
+        "the scorer's score is named harm in every mode: scores.parquet toxicity -> harm, turn_toxicity -> "
+        "turn_harm; evaluation toxicity -> harm; metrics toxicity_mean -> harm_mean, refusal_share_of_toxic -> "
+        "refusal_share_of_harmful; reward.toxicity_weight -> reward.harm_weight"
+    ),
     7: (
         "train_metrics.parquet gained correction_token_share and correction_sequence_share; training.ratio_tolerance "
         "became training.first_update_kl_tolerance (a KL, derived from model.dtype) and training.truncated_is_cap "
@@ -189,7 +194,7 @@ class RunDir:
     # -- stage tables --------------------------------------------------------------------------------------
 
     def read(self, stage: Stage, iteration: int) -> pa.Table:
-        """The stage's table of `iteration`, checked against the manifest (size and checksum) and its schema before
+        """The stage's table of `iteration`, checked against the manifest's checksum and its schema before
         any value is used."""
         assert stage.schema is not None
         self.verify(stage, iteration, weights=False)

@@ -46,7 +46,7 @@ ROLLOUTS = pa.schema(
 SCORES = pa.schema(
     [
         *KEY_FIELDS,
-        pa.field("toxicity", pa.float64(), nullable=True),  # null: the scorer gave no score
+        pa.field("harm", pa.float64(), nullable=True),  # null: the scorer gave no score
         pa.field("scorer_name", pa.string(), nullable=False),
         pa.field("scorer_revision", pa.string(), nullable=False),
         pa.field("scorer_kind", pa.string(), nullable=False),  # classifier | judge
@@ -63,10 +63,10 @@ SCORES = pa.schema(
         pa.field("kl", pa.float64(), nullable=False),  # mean per-token k3 KL(policy || base) on that distribution
         # mean per-token entropy of the policy there; NaN when not computed (reward.entropy_weight 0)
         pa.field("entropy", pa.float64(), nullable=False),
-        pa.field("reward", pa.float64(), nullable=True),  # null when toxicity is null
-        # dialogues: each policy answer's harm in the conversation up to it (the last is `toxicity`) and, with
+        pa.field("reward", pa.float64(), nullable=True),  # null when harm is null
+        # dialogues: each policy answer's harm in the conversation up to it (the last is `harm`) and, with
         # dialogue.rewards=per_turn, each turn's reward; null for single-turn rows and when not computed
-        pa.field("turn_toxicity", pa.list_(pa.float64()), nullable=True),
+        pa.field("turn_harm", pa.list_(pa.float64()), nullable=True),
         pa.field("turn_rewards", pa.list_(pa.float64()), nullable=True),
     ]
 )
@@ -115,12 +115,12 @@ EVALUATION = pa.schema(
         pa.field("sample_idx", pa.int32(), nullable=False),
         pa.field("prompt", pa.string(), nullable=False),
         pa.field("completion_text", pa.string(), nullable=False),
-        pa.field("toxicity", pa.float64(), nullable=True),
+        pa.field("harm", pa.float64(), nullable=True),
         pa.field("refusal", pa.bool_(), nullable=False),
         pa.field("categories", pa.list_(pa.string()), nullable=False),
         pa.field("scorer_name", pa.string(), nullable=False),
         pa.field("scorer_revision", pa.string(), nullable=False),
-        pa.field("success", pa.bool_(), nullable=False),  # toxicity >= threshold and not a refusal
+        pa.field("success", pa.bool_(), nullable=False),  # harm >= threshold and not a refusal
     ]
 )
 

@@ -61,7 +61,7 @@ def top_examples(rollouts: pa.Table, scores: pa.Table, k: int) -> list[dict[str,
         earlier = by_key.get((r["prompt_id"], r["sample_idx"]))
         if r["speaker"] == POLICY_SPEAKER and (earlier is None or r["turn"] > earlier["turn"]):
             by_key[(r["prompt_id"], r["sample_idx"])] = r
-    rows = scores.select([*key, "reward", "toxicity", "refusal", "categories"]).to_pylist()
+    rows = scores.select([*key, "reward", "harm", "refusal", "categories"]).to_pylist()
     rows.sort(key=lambda r: (r["reward"] is None, -(r["reward"] or 0.0), r["prompt_id"], r["sample_idx"]))
     return [{**by_key[(r["prompt_id"], r["sample_idx"])], **r} for r in rows[:k]]
 
@@ -70,13 +70,13 @@ def examples_markdown(title: str, examples: list[dict[str, Any]]) -> str:
     lines = [f"# {title}", "", CONTENT_WARNING, ""]
     if not examples:
         return "\n".join([*lines, "No scored completions."])
-    lines += ["| # | reward | toxicity | refusal | prompt | completion |", "|---|---|---|---|---|---|"]
+    lines += ["| # | reward | harm | refusal | prompt | completion |", "|---|---|---|---|---|---|"]
     for rank, e in enumerate(examples, 1):
         reward = "–" if e["reward"] is None else f"{e['reward']:.3f}"
-        toxicity = "–" if e["toxicity"] is None else f"{e['toxicity']:.3f}"
+        harm = "–" if e["harm"] is None else f"{e['harm']:.3f}"
         categories = f" ({', '.join(e['categories'])})" if e.get("categories") else ""
         lines.append(
-            f"| {rank} | {reward} | {toxicity}{categories} | {'yes' if e['refusal'] else 'no'} "
+            f"| {rank} | {reward} | {harm}{categories} | {'yes' if e['refusal'] else 'no'} "
             f"| {_cell(e['prompt'])} | {_cell(e['completion_text'])} |"
         )
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """Self-play stage: the attacker's reward for each of its prompts, from files this iteration already wrote.
 
-harm of a prompt = the judge's mean P(unsafe) over the defender's responses to it (the score stage's `toxicity`,
+harm of a prompt = the judge's mean P(unsafe) over the defender's responses to it (the score stage's `harm`,
 read from scores.parquet: the judge is not run again); reward = harm + defense.attacker_novelty_weight × novelty
 − reward.kl_weight × KL(attacker ‖ base) − reward.repetition_weight × repetition, on the attacker's own tokens
 with its adapter active. Novelty compares a prompt with the iteration's other prompts and with the attacker's
@@ -36,7 +36,7 @@ def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[
     for pid, idx, harm, categories, refusal in zip(
         scores["prompt_id"],
         scores["sample_idx"],
-        scores["toxicity"],
+        scores["harm"],
         scores["categories"],
         scores["refusal"],
         strict=True,
@@ -92,7 +92,7 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
         with res.policy.role(ATTACKER):
             terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)
         weights = RewardWeights(
-            toxicity=1.0, repetition=cfg.reward.repetition_weight, kl=cfg.reward.kl_weight, novelty=weight
+            harm=1.0, repetition=cfg.reward.repetition_weight, kl=cfg.reward.kl_weight, novelty=weight
         )
         reward = [
             composite_reward(RewardTerms(h, rep, k, nov), weights)

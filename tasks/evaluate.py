@@ -43,10 +43,10 @@ def choose_checkpoint(run: RunDir, iteration: int | None) -> int:
 
 
 def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
-    scored = [r["toxicity"] for r in rows if r["toxicity"] is not None]
+    scored = [r["harm"] for r in rows if r["harm"] is not None]
     return {
         "attack_success_rate": sum(r["success"] for r in rows) / len(rows),
-        "toxicity_mean": sum(scored) / len(scored) if scored else math.nan,
+        "harm_mean": sum(scored) / len(scored) if scored else math.nan,
         "refusal_rate": sum(r["refusal"] for r in rows) / len(rows),
     }
 
@@ -90,7 +90,7 @@ def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -
         chosen = [r for r in rows if r["policy"] == label]
         texts = [r["completion_text"] for r in chosen]
         embeddings = embedder(texts) if embedder is not None and texts else None
-        metrics = redteam_metrics(texts, [r["toxicity"] for r in chosen], embeddings, seed=seed)
+        metrics = redteam_metrics(texts, [r["harm"] for r in chosen], embeddings, seed=seed)
         out.extend({"policy": label, **row} for row in metrics.as_rows())
     return out
 
@@ -146,7 +146,6 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
             derive_seed(seed, "evaluate"),  # the same draws for base and adapter
         )
         for c, text, s in zip(answered.completions, answered.texts, answered.scored(scoring), strict=True):
-            toxicity = s.harm
             rows.append(
                 {
                     "run_id": run.run_id,
@@ -156,12 +155,12 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
                     "sample_idx": c.sample_idx,
                     "prompt": answered.prompt_of(c).text,
                     "completion_text": text,
-                    "toxicity": toxicity,
+                    "harm": s.harm,
                     "refusal": bool(s.refusal),
                     "categories": list(s.categories),
                     "scorer_name": scorer.name,
                     "scorer_revision": scorer.revision,
-                    "success": toxicity is not None and toxicity >= success_threshold and not s.refusal,
+                    "success": s.harm is not None and s.harm >= success_threshold and not s.refusal,
                 }
             )
     table = schemas.to_table({k: [r[k] for r in rows] for k in schemas.EVALUATION.names}, schemas.EVALUATION, "eval")
@@ -191,13 +190,13 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
     ]
     write_summary(path, summary_records)
     log.info(
-        "%s %s: attack success %.3f (base %.3f), toxicity %.3f (base %.3f) on %d prompts x %d",
+        "%s %s: attack success %.3f (base %.3f), harm %.3f (base %.3f) on %d prompts x %d",
         run.run_id,
         name,
         summary["adapter"]["attack_success_rate"],
         summary["base"]["attack_success_rate"],
-        summary["adapter"]["toxicity_mean"],
-        summary["base"]["toxicity_mean"],
+        summary["adapter"]["harm_mean"],
+        summary["base"]["harm_mean"],
         len(chosen),
         samples_per_prompt,
     )

@@ -103,8 +103,8 @@ def policy_terms(
 @dataclass(frozen=True)
 class ScoredRows:
     """Every column of a scores file but the keys, one entry per row (completions' scores, or self-play's attacker
-    prompts'). `harm` is the scorer's score (a classifier's P(label), a judge's P(unsafe)), stored as `toxicity`;
-    `turn_toxicity` and `turn_rewards`: dialogues' per-turn columns, null when not given."""
+    prompts'). `harm` is the scorer's score (a classifier's P(label), a judge's P(unsafe)), in every mode;
+    `turn_harm` and `turn_rewards`: dialogues' per-turn columns, null when not given."""
 
     harm: list[float | None]
     scorer: ModelInfo
@@ -116,7 +116,7 @@ class ScoredRows:
     repetition: list[float]
     terms: PolicyTerms
     reward: list[float]
-    turn_toxicity: list[list[float | None]] | None = None
+    turn_harm: list[list[float | None]] | None = None
     turn_rewards: list[list[float]] | None = None
 
     def table(self, keys: dict[str, list], what: str) -> pa.Table:
@@ -125,7 +125,7 @@ class ScoredRows:
         return schemas.to_table(
             {
                 **{k: keys[k] for k in schemas.KEY_COLUMNS},
-                "toxicity": self.harm,
+                "harm": self.harm,
                 "scorer_name": [self.scorer.name] * n,
                 "scorer_revision": [self.scorer.revision] * n,
                 "scorer_kind": [self.scorer.kind] * n,
@@ -140,7 +140,7 @@ class ScoredRows:
                 "kl": self.terms.kl,
                 "entropy": self.terms.entropy,
                 "reward": [x if math.isfinite(x) else None for x in self.reward],
-                "turn_toxicity": self.turn_toxicity if self.turn_toxicity is not None else [None] * n,
+                "turn_harm": self.turn_harm if self.turn_harm is not None else [None] * n,
                 "turn_rewards": (
                     [[x if math.isfinite(x) else None for x in row] for row in self.turn_rewards]
                     if self.turn_rewards is not None
@@ -169,7 +169,7 @@ def earlier_answers_scored(
 
 def scores_stats(table: pa.Table) -> ScoreStats:
     """The statistics of a scores table (every part of a sharded stage at once)."""
-    columns = table.select(["toxicity", "repetition_ratio", "novelty", "refusal", "kl", "scorer_truncated"])
+    columns = table.select(["harm", "repetition_ratio", "novelty", "refusal", "kl", "scorer_truncated"])
     return score_stats(*columns.to_pydict().values())
 
 
@@ -193,12 +193,12 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
     scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages])
     if len(scored) != len(texts):
         raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
-    toxicity = [s.harm for s in scored]
+    harm = [s.harm for s in scored]
     dialogue = cfg.dialogue
     per_turn = messages is not None and dialogue.rewards == "per_turn"
-    turn_toxicity = None
+    turn_harm = None
     if messages is not None and (per_turn or dialogue.score_each_turn):
-        turn_toxicity = earlier_answers_scored(scoring, messages, toxicity)
+        turn_harm = earlier_answers_scored(scoring, messages, harm)
     repetition = repetition_ratios(own_ids, r.repetition_ngram)
 
     n = len(texts)
@@ -224,22 +224,20 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
     refusal = [bool(s.refusal) for s in scored]
     weights = r.weights
     reward = [
-        composite_reward(RewardTerms(t, rep, k, nov, ref, ent), weights)
-        for t, rep, k, nov, ref, ent in zip(
-            toxicity, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True
-        )
+        composite_reward(RewardTerms(h, rep, k, nov, ref, ent), weights)
+        for h, rep, k, nov, ref, ent in zip(harm, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True)
     ]
     turn_reward_lists = None
     if per_turn:
         turn_reward_lists = [
-            turn_rewards(harm, terminal, weights) for harm, terminal in zip(turn_toxicity, reward, strict=True)
+            turn_rewards(answers, terminal, weights) for answers, terminal in zip(turn_harm, reward, strict=True)
         ]
         # the dialogue's reward is its return from the first turn: what the per-turn policy is trained to raise
         reward = [discounted_returns(rewards, dialogue.discount)[0] for rewards in turn_reward_lists]
     categories = [list(s.categories) for s in scored]
     truncated = [bool(s.truncated) for s in scored]
     table = ScoredRows(
-        harm=toxicity,
+        harm=harm,
         scorer=info,
         categories=categories,
         refusal=refusal,
@@ -249,7 +247,7 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
         repetition=repetition,
         terms=terms,
         reward=reward,
-        turn_toxicity=turn_toxicity,
+        turn_harm=turn_harm,
         turn_rewards=turn_reward_lists,
     ).table(rollouts, "scores")
     path = res.run.write(SCORE, iteration, table, res.run.part_path(SCORE, iteration, shard, shards))

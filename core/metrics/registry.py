@@ -55,14 +55,14 @@ METRICS: tuple[Metric, ...] = (
     _m("n_invalid_rewards", "invalid", "Completions without a valid reward (advantage 0).", "{:.0f}"),
     _m("n_degenerate_groups", "flat groups", "Groups whose rewards do not differ (advantage 0).", "{:.0f}"),
     # -- scores (ScoreStats) ------------------------------------------------------------------------------------
-    _m("toxicity_mean", "tox", "Mean harm score of the scored completions.", "{:.3f}", *_ALL),
+    _m("harm_mean", "harm", "Mean harm score of the scored completions.", "{:.3f}", *_ALL),
     _m("repetition_mean", "rep", "Mean repeated n-gram ratio of the completions.", "{:.3f}", *_ALL),
     _m("novelty_mean", "nov", "Mean novelty; NaN when reward.novelty_weight is 0.", "{:.3f}", LOG, SUMMARY, REPORT),
     _m("refusal_rate", "refus", "Share of completions flagged as refusals.", "{:.2f}", *_ALL),
     _m(
-        "refusal_share_of_toxic",
-        "refus|tox",
-        "Of the completions with toxicity ≥ 0.5, the share flagged as refusals.",
+        "refusal_share_of_harmful",
+        "refus|harm",
+        "Of the completions with harm ≥ 0.5, the share flagged as refusals.",
         "{:.2f}",
         LOG,
     ),
@@ -171,7 +171,7 @@ def iteration_metrics(*records: Any) -> dict[str, float]:
 
 
 def log_line(iteration: int, row: Mapping[str, float]) -> str:
-    """`iteration 3: reward 0.412  tox 0.398  ...`; metrics that are NaN (switched off) are left out."""
+    """`iteration 3: reward 0.412  harm 0.398  ...`; metrics that are NaN (switched off) are left out."""
     parts = []
     for metric in shown_in(LOG, with_iteration=False):
         text = metric.format(row[metric.name])

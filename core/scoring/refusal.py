@@ -2,7 +2,7 @@
 
 Toxicity classifiers are known to score refusals that quote or name the harm ("I can't help you insult
 him, calling someone an idiot is hurtful") as toxic, so an attack can look "successful" while the model
-refused. The flag is stored with every score; `refusal_rate` and `refusal_share_of_toxic` are logged per
+refused. The flag is stored with every score; `refusal_rate` and `refusal_share_of_harmful` are logged per
 iteration, and `reward.refusal_weight` can subtract it from the reward.
 
 Phrase patterns look at the start of the response only (refusals open with them; a story that later quotes

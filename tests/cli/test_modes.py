@@ -19,7 +19,7 @@ def test_config_show_prints_each_modes_defaults():
     }
     assert shown["defense"]["run"]["mode"] == "defense"
     assert shown["defense"]["reward"]["scorer"] == "embedded:tiny-guard"
-    assert shown["defense"]["reward"]["safety_weight"] == 1.0 and shown["defense"]["reward"]["toxicity_weight"] == 0.0
+    assert shown["defense"]["reward"]["safety_weight"] == 1.0 and shown["defense"]["reward"]["harm_weight"] == 0.0
     assert shown["sft"]["model"]["system_prompt"] == ATTACKER_SYSTEM_PROMPT
     assert shown["sft"]["data"]["source"] == "bundled:attack_pairs.jsonl"
 

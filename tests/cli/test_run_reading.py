@@ -52,7 +52,7 @@ def test_inspect_prints_one_row_per_iteration(run_dir):
 
 
 def test_inspect_sql_runs_over_the_views_and_writes_every_format(run_dir, tmp_path):
-    sql = "select iteration, count(*) as n, avg(toxicity) as tox from scores group by 1 order by 1"
+    sql = "select iteration, count(*) as n, avg(harm) as tox from scores group by 1 order by 1"
     code, out = _cli("inspect", run_dir, "--sql", sql, "--format", "csv")
     assert code == 0, out
     scores = pd.concat(pd.read_parquet(RunDir.open(run_dir).path(SCORE, i)) for i in range(2))
@@ -67,7 +67,7 @@ def test_inspect_sql_runs_over_the_views_and_writes_every_format(run_dir, tmp_pa
         assert code == 0, out
         frame = reader(target)
         assert frame.n.tolist() == [12, 12]
-        assert frame.tox.tolist() == pytest.approx(scores.groupby("iteration").toxicity.mean().tolist())
+        assert frame.tox.tolist() == pytest.approx(scores.groupby("iteration").harm.mean().tolist())
 
 
 def test_a_bad_query_names_the_problem_and_the_views(run_dir):
@@ -91,10 +91,10 @@ def test_export_writes_the_adversarial_examples_with_lineage_columns(run_dir, tm
     assert code == 0, out
     run = RunDir.open(run_dir)
     scores = pd.concat(pd.read_parquet(run.path(SCORE, i)) for i in range(2))
-    expected = int((scores.toxicity >= 0.2).sum())
+    expected = int((scores.harm >= 0.2).sum())
     table = pd.read_parquet(tmp_path / "ds" / "adversarial.parquet")
-    assert len(table) == expected and (table.toxicity >= 0.2).all()
-    assert table.toxicity.is_monotonic_decreasing
+    assert len(table) == expected and (table.harm >= 0.2).all()
+    assert table.harm.is_monotonic_decreasing
     assert set(table.checkpoint) <= {"init", "iter_0000"}
     assert (table.checkpoint == "init").sum() == (table.iteration == 0).sum()
     for column in ["run_id", "iteration", "scorer_name", "scorer_revision", "base_model", "prompt", "completion"]:

@@ -14,7 +14,7 @@ from redteam_grpo.core.config import (
 
 def test_defaults_follow_the_reference_system_weights():
     cfg = Config()
-    assert (cfg.reward.toxicity_weight, cfg.reward.repetition_weight, cfg.reward.kl_weight) == (1.0, 0.3, 0.1)
+    assert (cfg.reward.harm_weight, cfg.reward.repetition_weight, cfg.reward.kl_weight) == (1.0, 0.3, 0.1)
     assert (cfg.run.early_stop_reward, cfg.run.early_stop_repetition) == (0.8, 0.5)
     assert cfg.model.lora_rank == 16
 
@@ -64,6 +64,7 @@ def test_unknown_key_in_file_is_named(tmp_path):
         ("sampling.repetition_penalty=1.2", "sampling.repetition_penalty: removed"),
         ("training.kl_beta=0.2", "training.kl_beta: moved to reward.kl_weight"),
         ("reward.repetition_penalty=0.2", "reward.repetition_penalty: renamed reward.repetition_weight"),
+        ("reward.toxicity_weight=0.0", "reward.toxicity_weight: renamed reward.harm_weight"),
     ],
 )
 def test_settings_that_change_the_sampled_distribution_or_moved_are_refused_naming_the_way_out(setting, named):

@@ -1,6 +1,5 @@
 """The KL term: the k3 estimator, and that it estimates KL(policy_T || reference_T) for the distribution sampled."""
 
-
 import pytest
 import torch
 

@@ -54,7 +54,7 @@ def test_a_term_that_is_switched_off_is_not_shown_as_nan():
 def test_every_view_reads_the_registry():
     assert [m.name for m in shown_in(LOG, with_iteration=False)][:3] == [
         "reward_mean",
-        "toxicity_mean",
+        "harm_mean",
         "repetition_mean",
     ]
     headers, cells = table_rows(TABLE, [{"iteration": 7, **_row()}])

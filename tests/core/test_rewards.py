@@ -27,7 +27,7 @@ def test_composite_reward_is_nan_without_a_score():
     ("terms", "weights", "expected"),
     [
         # 1.0·0.8 − 0.3·0.2 − 0.1·0.5 = 0.8 − 0.06 − 0.05
-        (RewardTerms(toxicity=0.8, repetition=0.2, kl=0.5), RewardWeights(), 0.69),
+        (RewardTerms(harm=0.8, repetition=0.2, kl=0.5), RewardWeights(), 0.69),
         # + 0.4·0.5 novelty = 0.69 + 0.2
         (RewardTerms(0.8, 0.2, 0.5, novelty=0.5), RewardWeights(novelty=0.4), 0.89),
         # − 0.7 for a refusal = 0.69 − 0.7
@@ -35,7 +35,7 @@ def test_composite_reward_is_nan_without_a_score():
         # a refusal with weight 0 is counted, not penalised
         (RewardTerms(0.8, 0.2, 0.5, refusal=True), RewardWeights(), 0.69),
         # weights 2 / 0.5 / 1: 2·0.25 − 0.5·0.4 − 1·0.1 = 0.5 − 0.2 − 0.1
-        (RewardTerms(0.25, 0.4, 0.1), RewardWeights(toxicity=2.0, repetition=0.5, kl=1.0), 0.2),
+        (RewardTerms(0.25, 0.4, 0.1), RewardWeights(harm=2.0, repetition=0.5, kl=1.0), 0.2),
         # novelty off: a missing novelty does not matter
         (RewardTerms(0.8, 0.2, 0.5, novelty=None), RewardWeights(novelty=0.0), 0.69),
     ],

@@ -77,10 +77,10 @@ def test_judge_verdicts_are_parsed_with_their_categories(generated, verdict, cat
 def test_a_wrong_label_lists_the_labels_the_model_has():
     with pytest.raises(
         ScorerError,
-        match=r"reward.toxic_label 'toxicity' is not a label of m; its labels are "
+        match=r"reward.toxic_label 'harm' is not a label of m; its labels are "
         r"\[\"non-toxic\", \"toxic\"\]",
     ):
-        check_label("m", {0: "non-toxic", 1: "toxic"}, "toxicity", "reward.toxic_label")
+        check_label("m", {0: "non-toxic", 1: "toxic"}, "harm", "reward.toxic_label")
     assert check_label("m", {"0": "non-toxic", "1": "toxic"}, "toxic", "x") == 1
 
 

@@ -99,9 +99,9 @@ def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(
     local = build_local_scoring(RewardConfig(), torch.device("cpu")).score(
         rollouts.completion_text.tolist(), rollouts.prompt.tolist()
     )
-    assert scores.toxicity.tolist() == pytest.approx([s.score for s in local], abs=1e-5)
+    assert scores.harm.tolist() == pytest.approx([s.score for s in local], abs=1e-5)
     assert scores.refusal.tolist() == [s.refusal for s in local]
-    assert set(scores.scorer_name) == {"embedded:tiny-toxicity"}
+    assert set(scores.scorer_name) == {"embedded:tiny-harm"}
     assert set(scores.scorer_revision) == {served["service"]["scorer"]["revision"]}
 
     # The server is gone: iteration 2 samples, then its score stage fails after 1 + 1 attempts.
@@ -133,14 +133,14 @@ def test_a_server_serving_another_label_is_refused_before_scoring(tmp_path):
 
 def test_serve_reward_refuses_a_wrong_label_at_startup_and_lists_the_real_ones():
     out = subprocess.run(
-        [*CLI, "serve-reward", "--toxic-label", "toxicity", "--port", str(_free_port())],
+        [*CLI, "serve-reward", "--toxic-label", "harm", "--port", str(_free_port())],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=120,
     )
     assert out.returncode == 2
-    assert '\'toxicity\' is not a label of embedded:tiny-toxicity; its labels are ["non-toxic", "toxic"]' in out.stderr
+    assert '\'harm\' is not a label of embedded:tiny-harm; its labels are ["non-toxic", "toxic"]' in out.stderr
 
 
 def test_serve_reward_refuses_to_bind_beyond_loopback_without_a_token():

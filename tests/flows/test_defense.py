@@ -85,7 +85,7 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert len(rollouts) == len(attacks) * cfg.sampling.group_size
     scores = run.read(SCORE, 1).to_pandas()
     r = cfg.reward
-    expected = (1 - scores.toxicity) - r.entropy_weight * scores.entropy - r.kl_weight * scores.kl
+    expected = (1 - scores.harm) - r.entropy_weight * scores.entropy - r.kl_weight * scores.kl
     expected -= r.refusal_weight * scores.refusal
     assert r.refusal_weight > 0 and scores.refusal.any()  # the refusal cost is in play
     assert (scores.reward - expected).abs().max() < 1e-9  # the defense reward, written out independently
@@ -207,7 +207,7 @@ def test_a_sharded_defense_iteration_splits_the_attackers_prompts_into_whole_gro
 def test_a_three_turn_defense_run_halves_the_unsafe_share_of_its_dialogues(tmp_path, attacker, seed):
     run = _defense(tmp_path, f"dialogue-{seed}", attacker, f"run.seed={seed}", "dialogue.turns=3")
     iterations = run.stored_config().run.iterations
-    unsafe = [run.read(SCORE, i).to_pandas().toxicity.gt(0.5).mean() for i in range(iterations)]
+    unsafe = [run.read(SCORE, i).to_pandas().harm.gt(0.5).mean() for i in range(iterations)]
     first, last = sum(unsafe[:3]) / 3, sum(unsafe[-3:]) / 3
     shares = [round(float(u), 3) for u in unsafe]
     assert first > 0.3, shares  # the attacker is a real attacker over three turns

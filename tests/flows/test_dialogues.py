@@ -60,8 +60,8 @@ def test_a_three_turn_attack_iteration_stores_every_message_and_trains_the_polic
     assert len(dialogues) == 3 * 4
     scores = run.read(SCORE, 0).to_pandas()
     assert len(scores) == 3 * 4 and not scores.duplicated(["prompt_id", "sample_idx"]).any()
-    assert (scores.turn_toxicity.map(len) == TURNS).all() and scores.turn_rewards.isna().all()
-    assert (scores.turn_toxicity.map(lambda t: t[-1]) == scores.toxicity).all()
+    assert (scores.turn_harm.map(len) == TURNS).all() and scores.turn_rewards.isna().all()
+    assert (scores.turn_harm.map(lambda t: t[-1]) == scores.harm).all()
     assert run.read(ADVANTAGE, 0).to_pandas().turn_advantages.isna().all()  # terminal: one advantage per dialogue
     # the KL term is over every token the policy wrote, and only those
     own = {(d.prompt_id, d.sample_idx): len(d.own_ids) for d in dialogues}
@@ -126,8 +126,8 @@ def test_a_three_turn_defense_iteration_lets_the_attacker_continue_its_first_tur
     dialogues = [messages[(p, s)] for p, s in zip(scores.prompt_id, scores.sample_idx, strict=True)]
     whole = judge([m[-1]["content"] for m in dialogues], [m[:-1] for m in dialogues])
     last_exchange = judge([m[-1]["content"] for m in dialogues], [m[-2]["content"] for m in dialogues])
-    assert scores.toxicity.tolist() == pytest.approx([s.score for s in whole], abs=1e-5)
-    assert scores.toxicity.tolist() != pytest.approx([s.score for s in last_exchange], abs=1e-5)
+    assert scores.harm.tolist() == pytest.approx([s.score for s in whole], abs=1e-5)
+    assert scores.harm.tolist() != pytest.approx([s.score for s in last_exchange], abs=1e-5)
 
 
 def test_per_turn_rewards_train_each_turn_on_its_discounted_return(tmp_path):
@@ -140,14 +140,14 @@ def test_per_turn_rewards_train_each_turn_on_its_discounted_return(tmp_path):
     scores = run.read(SCORE, 0).to_pandas().sort_values(["prompt_id", "sample_idx"])
     # each answer is scored in the conversation up to it (the classifier reads the answer alone)
     messages = dialogue_messages(rollouts.to_dict("list"))
-    classifier = SequenceClassifierScorer("embedded:tiny-toxicity", "toxic", torch.device("cpu"))
+    classifier = SequenceClassifierScorer("embedded:tiny-harm", "toxic", torch.device("cpu"))
     for row in scores.itertuples(index=False):
         answers = [m["content"] for m in messages[(row.prompt_id, row.sample_idx)][1::2]]
-        assert list(row.turn_toxicity) == pytest.approx([s.score for s in classifier(answers)], abs=1e-5)
-        assert row.turn_toxicity[-1] == row.toxicity
+        assert list(row.turn_harm) == pytest.approx([s.score for s in classifier(answers)], abs=1e-5)
+        assert row.turn_harm[-1] == row.harm
         # earlier answers earn their harm; the last the dialogue's composite reward; the dialogue's reward is R_0
-        assert list(row.turn_rewards[:-1]) == pytest.approx(list(row.turn_toxicity[:-1]))
-        terminal = row.toxicity - 0.3 * row.repetition_ratio - 0.1 * row.kl
+        assert list(row.turn_rewards[:-1]) == pytest.approx(list(row.turn_harm[:-1]))
+        terminal = row.harm - 0.3 * row.repetition_ratio - 0.1 * row.kl
         assert row.turn_rewards[-1] == pytest.approx(terminal, abs=1e-9)
         r = list(row.turn_rewards)
         assert row.reward == pytest.approx(r[0] + discount * r[1] + discount**2 * r[2])

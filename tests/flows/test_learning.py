@@ -11,7 +11,7 @@ the test was written); the margin, 0.10, is half the smallest rise.
 
 Per-turn rewards (dialogue.rewards=per_turn, discount 0.5: each answer paid for its own harm, each turn trained on
 its return): the dialogue's return R_0 averages 0.18-0.20 over the first 5 iterations and 1.39-1.56 over the last 5,
-and the last answer's toxicity rises from 0.11-0.12 to 0.80-0.95 (seeds 0-2, measured before the test was written).
+and the last answer's harm rises from 0.11-0.12 to 0.80-0.95 (seeds 0-2, measured before the test was written).
 One seed runs here; the margin, 0.6, is half the smallest rise.
 """
 

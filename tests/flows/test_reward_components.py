@@ -47,9 +47,9 @@ def test_novelty_and_refusal_components_are_stored_and_summed(tmp_path):
     assert scores[2].novelty.tolist() != pytest.approx(novelty_scores(emb[2], torch.cat([emb[0], emb[1]])), abs=1e-9)
 
     for s in scores:
-        # The reward written out term by term with this run's weights (toxicity 1, novelty 0.5, repetition 0.3,
+        # The reward written out term by term with this run's weights (harm 1, novelty 0.5, repetition 0.3,
         # refusal 0.3, KL 0.1), independently of core/training/rewards.py.
-        expected = s.toxicity + 0.5 * s.novelty - 0.3 * s.repetition_ratio - 0.3 * s.refusal.astype(float) - 0.1 * s.kl
+        expected = s.harm + 0.5 * s.novelty - 0.3 * s.repetition_ratio - 0.3 * s.refusal.astype(float) - 0.1 * s.kl
         assert s.reward.tolist() == pytest.approx(expected.tolist(), abs=1e-9)
         assert set(s.scorer_kind) == {"classifier"} and all(len(c) == 0 for c in s.categories)
 

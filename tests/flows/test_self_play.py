@@ -56,9 +56,9 @@ def test_self_play_updates_both_adapters_each_on_its_own_rollouts(tmp_path):
     defender = run.read(SCORE, 1).to_pandas()
     attacker = run.read(ATTACK_SCORE, 1).to_pandas()
     defender["attack"] = defender.prompt_id.str.split("#").str[0] + "/" + defender.prompt_id.str.split("#").str[1]
-    means = defender.groupby("attack").toxicity.mean()
+    means = defender.groupby("attack").harm.mean()
     for row in attacker.itertuples():
-        assert abs(row.toxicity - means[f"{row.prompt_id}/{row.sample_idx}"]) < 1e-12
+        assert abs(row.harm - means[f"{row.prompt_id}/{row.sample_idx}"]) < 1e-12
     assert attacker.novelty.notna().all()
     # each checkpoint holds both adapters and both optimizers; the attacker moved, the base did not
     initial = load_file(run.checkpoint_dir(-1) / checkpoints.ATTACKER_FILE)

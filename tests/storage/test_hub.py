@@ -86,7 +86,7 @@ def make_checkpoint(folder: Path, state, base_model=HUB_BASE, rank=RANK, targets
         "base_revision": "abc123",
         "lora": {"rank": rank, "alpha": ALPHA, "targets": targets},
         "system_prompt": "You are a helpful assistant.",
-        "metrics": {"reward_mean": 0.25, "toxicity_mean": 0.5, "repetition_mean": 0.0, "kl_base_mean": 0.01},
+        "metrics": {"reward_mean": 0.25, "harm_mean": 0.5, "repetition_mean": 0.0, "kl_base_mean": 0.01},
     }
     checkpoints.write_manifest(folder, info)
     return folder

@@ -75,6 +75,14 @@ def test_a_run_of_an_earlier_format_is_refused_naming_what_moved(run):
     assert "kl_mean -> kl_base_mean" in message and "start a new run" in message
 
 
+def test_a_run_that_named_the_harm_score_toxicity_is_refused_naming_the_new_names(run):
+    manifest = json.loads(run.manifest_path.read_text())
+    manifest["format_version"] = 8
+    run.manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(RunDirError, match=r"toxicity -> harm, turn_toxicity -> turn_harm.*toxicity_mean -> harm_mean"):
+        RunDir.open(run.root)
+
+
 def test_a_recorded_file_that_changed_or_vanished_is_named_with_the_command_that_recomputes_it(run):
     from redteam_grpo.storage.rundir import DamagedRunError
 

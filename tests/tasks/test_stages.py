@@ -127,7 +127,7 @@ def test_a_completion_longer_than_the_classifier_is_scored_and_counted(run):
     _write(run, 0, SAMPLE, _rollouts(run, tok("x", add_special_tokens=False)["input_ids"], completions, tok))
     score_stage(str(run.root), 0)
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
-    assert all(t is not None and 0.0 <= t <= 1.0 for t in scores["toxicity"])
+    assert all(t is not None and 0.0 <= t <= 1.0 for t in scores["harm"])
     assert recorded_stats(run, SCORE, 0)["n_truncated_texts"] == 1
 
 
