@@ -101,7 +101,7 @@ def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(
     )
     assert scores.harm.tolist() == pytest.approx([s.score for s in local], abs=1e-5)
     assert scores.refusal.tolist() == [s.refusal for s in local]
-    assert set(scores.scorer_name) == {"embedded:tiny-harm"}
+    assert set(scores.scorer_name) == {"embedded:tiny-toxicity"}
     assert set(scores.scorer_revision) == {served["service"]["scorer"]["revision"]}
 
     # The server is gone: iteration 2 samples, then its score stage fails after 1 + 1 attempts.
@@ -140,7 +140,7 @@ def test_serve_reward_refuses_a_wrong_label_at_startup_and_lists_the_real_ones()
         timeout=120,
     )
     assert out.returncode == 2
-    assert '\'harm\' is not a label of embedded:tiny-harm; its labels are ["non-toxic", "toxic"]' in out.stderr
+    assert '\'harm\' is not a label of embedded:tiny-toxicity; its labels are ["non-toxic", "toxic"]' in out.stderr
 
 
 def test_serve_reward_refuses_to_bind_beyond_loopback_without_a_token():

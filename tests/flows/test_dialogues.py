@@ -140,7 +140,7 @@ def test_per_turn_rewards_train_each_turn_on_its_discounted_return(tmp_path):
     scores = run.read(SCORE, 0).to_pandas().sort_values(["prompt_id", "sample_idx"])
     # each answer is scored in the conversation up to it (the classifier reads the answer alone)
     messages = dialogue_messages(rollouts.to_dict("list"))
-    classifier = SequenceClassifierScorer("embedded:tiny-harm", "toxic", torch.device("cpu"))
+    classifier = SequenceClassifierScorer("embedded:tiny-toxicity", "toxic", torch.device("cpu"))
     for row in scores.itertuples(index=False):
         answers = [m["content"] for m in messages[(row.prompt_id, row.sample_idx)][1::2]]
         assert list(row.turn_harm) == pytest.approx([s.score for s in classifier(answers)], abs=1e-5)

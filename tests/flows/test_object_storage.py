@@ -19,7 +19,7 @@ from redteam_grpo.storage.checkpoints import ADAPTER_FILE
 from redteam_grpo.storage.location import is_remote
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ADVANTAGE, SAMPLE, SCORE
-from tests.small_runs import SMALL_RUN
+from tests.small_runs import SMALL_RUN, assert_same_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
@@ -41,9 +41,7 @@ def _assert_same_run(url_run: RunDir, folder_run: RunDir, iterations: int, exact
     sum in another order than the run's process)."""
     for iteration in range(iterations):
         for stage in (SAMPLE, SCORE, ADVANTAGE):
-            pd.testing.assert_frame_equal(
-                _rows(url_run, stage, iteration), _rows(folder_run, stage, iteration), check_exact=exact, rtol=1e-6
-            )
+            assert_same_rows(_rows(url_run, stage, iteration), _rows(folder_run, stage, iteration), exact=exact)
     last = iterations - 1
     adapters = [(run.checkpoint_dir(last) / ADAPTER_FILE).read_bytes() for run in (url_run, folder_run)]
     if exact:

@@ -13,7 +13,7 @@ from redteam_grpo.storage import query
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ADVANTAGE, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks import score as score_module
-from tests.small_runs import SMALL_RUN
+from tests.small_runs import SMALL_RUN, assert_same_rows
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 
@@ -53,7 +53,7 @@ def test_ray_workers_write_the_same_rows_as_the_local_runner(tmp_path, monkeypat
         ]
         assert "shards" not in run.manifest() or not run.manifest()["shards"]  # folded into the stage records
     for stage in (SAMPLE, SCORE, ADVANTAGE):
-        pd.testing.assert_frame_equal(_rows(local, stage), _rows(ray, stage), check_exact=False, rtol=1e-6)
+        assert_same_rows(_rows(local, stage), _rows(ray, stage), exact=False)
     assert len(_rows(ray, SAMPLE)) == 4 * 4 and _rows(ray, SAMPLE).prompt_id.nunique() == 4
     # the statistics are computed once over every part: the same as over the one table
     for stage in (SAMPLE, SCORE):
