@@ -1,7 +1,7 @@
 """Orchestration cost, side by side in one run: the same GRPO iterations
 
-  pipeline  as Prefect stages writing Parquet (`attack_run`: one subflow run per iteration, five task runs, a
-            manifest, a checkpoint per iteration), and
+  pipeline  as Prefect stages writing Parquet (`attack_run`: one iteration run per iteration, a nested task run
+            or, with Ray, a subflow run; five task runs, a manifest, a checkpoint per iteration), and
   plain     the same `core` functions called in a plain loop, weights in memory, nothing written,
 
 each in a fresh process (same start: imports, model load), on the embedded default config unless --set says
@@ -37,7 +37,7 @@ CATEGORIES = (
     "manifest",
     "checkpoint",
     "artifacts",
-    "iteration subflow run",
+    "iteration run",
     "task runs, logs",
 )
 
@@ -107,19 +107,19 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
         shard_task.fn = clock.wrap("compute", shard_task.fn)
     iteration.checkpoint_stage.fn = clock.wrap("checkpoint", checkpoint.checkpoint_stage.fn)
     iteration.publish_iteration = clock.wrap("artifacts", artifacts.publish_iteration)
-    iteration_body = iteration.iteration_flow.fn
+    iteration_body = iteration.run_iteration
 
     def marked_iteration(run_dir, run_id, iteration):
         starts.append(time.perf_counter())
         snapshots.append(dict(clock.seconds))
-        # inside the subflow: what no other category claims is Prefect's task runs, logging and the loop itself
+        # inside the iteration's run: what no other category claims is Prefect's task runs, logging and the loop
         with clock.category("task runs, logs"):
             return iteration_body(run_dir, run_id, iteration)
 
-    iteration.iteration_flow.fn = marked_iteration
-    flow_for = attack.iteration_flow_for
-    # around the subflow call: creating the subflow run, its states and its end, less the body
-    attack.iteration_flow_for = lambda flow, runtime: clock.wrap("iteration subflow run", flow_for(flow, runtime))
+    iteration.iteration_flow.fn = iteration.iteration_task.fn = marked_iteration
+    runner_for = attack.iteration_runner
+    # around the iteration's call: creating its task run (or subflow run), its states and its end, less the body
+    attack.iteration_runner = lambda runtime: clock.wrap("iteration run", runner_for(runtime))
     with tempfile.TemporaryDirectory() as runs:
         attack.attack_run(
             overrides=[

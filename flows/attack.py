@@ -1,5 +1,6 @@
-"""The red-team GRPO run: a parent flow, one subflow run per iteration (flows/iteration.py), five task stages per
-iteration; and the parent loop, ownership and resume that every mode's run flow shares (`run_mode`).
+"""The red-team GRPO run: a parent flow, one run per iteration (flows/iteration.py: a nested task run, or a subflow
+run on Ray), five task stages per iteration; and the parent loop, ownership and resume that every mode's run
+flow shares (`run_mode`).
 
     for iteration in range(start, iterations):
         sample -> score -> advantage -> train_step -> checkpoint
@@ -42,8 +43,7 @@ from redteam_grpo.core.data.sources import Prompt, check_prompt_lengths, load_pr
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import load_tokenizer
 from redteam_grpo.core.training.stopping import early_stop
-from redteam_grpo.flows.iteration import iteration_flow
-from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_flow_for, ray_session
+from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_runner, ray_session
 from redteam_grpo.storage import interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.modes import ATTACK_MODE, Mode, mode_of
@@ -121,10 +121,10 @@ def owned_run(
 
 
 def without_heartbeats() -> contextlib.AbstractContextManager:
-    """Settings under which a subflow run sends no heartbeats of its own. The parent flow run's heartbeats already
-    tell whether the process lives; a subflow run's heartbeat thread sleeps in 1 s steps and is joined when the run
-    ends, which costs each iteration about a second in Prefect 3.8 (bench/orchestration.py measures it). A crash
-    then leaves the iteration's run as it was, and marks the parent's."""
+    """Settings under which a subflow run (an iteration on Ray) sends no heartbeats of its own. The parent flow
+    run's heartbeats already tell whether the process lives; a subflow run's heartbeat thread sleeps in 1 s steps
+    and is joined when the run ends, which costs each iteration about a second in Prefect 3.8. A crash then leaves
+    the iteration's run as it was, and marks the parent's."""
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
@@ -226,7 +226,7 @@ def run_mode(
 
 
 def run_iterations(run: RunDir, on_iteration: Any) -> str:
-    """The parent loop every mode shares: one `iteration_flow` subflow run (which returns the iteration's metrics
+    """The parent loop every mode shares: one iteration run (`iteration_runner`: it returns the iteration's metrics
     row) for each iteration not yet sealed, early stopping, and the run's status."""
     cfg = run.stored_config()
     log = stage_logger()
@@ -235,7 +235,7 @@ def run_iterations(run: RunDir, on_iteration: Any) -> str:
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     run.set_status("running")
     check_runtime(cfg)
-    iteration = iteration_flow_for(iteration_flow, cfg.runtime)
+    iteration = iteration_runner(cfg.runtime)
     gpus = cfg.training.nproc if cfg.training.launcher == "torchrun" else 1  # the train step's GPUs, on this machine
     try:
         with gpu_slot(cfg.runtime, gpus), ray_session(cfg.runtime):

@@ -1,7 +1,7 @@
 """Where an iteration's stages run, on engines the lab already has (runtime section of the config).
 
-- Ray, through prefect-ray: the iteration subflow's task runner is a `RayTaskRunner`, so the sample and score
-  shards (`tasks/common.py: run_sharded_stage`) run as Prefect tasks on Ray workers. The run joins the cluster at
+- Ray, through prefect-ray: an iteration is a subflow run whose task runner is a `RayTaskRunner`, so the sample and
+  score shards (`tasks/common.py: run_sharded_stage`) run as Prefect tasks on Ray workers. The run joins the cluster at
   `runtime.ray_address`, or starts a local instance once for the whole run (not once per iteration).
 - A GPU slot: a Prefect global concurrency limit (`prefect gcl create NAME --limit GPUS`), one slot of which the
   run holds from its first to its last stage, so two scheduled runs do not share a GPU.
@@ -37,10 +37,13 @@ def _require_ray() -> Any:
     return ray, prefect_ray
 
 
-def iteration_flow_for(iteration_flow: Any, runtime: RuntimeConfig) -> Any:
-    """The iteration subflow with the task runner its shards run on."""
+def iteration_runner(runtime: RuntimeConfig) -> Any:
+    """What runs one iteration: a nested task run where the shards run in this process, a subflow run whose task
+    runner is prefect-ray's where they run on Ray (flows/iteration.py)."""
+    from redteam_grpo.flows.iteration import iteration_flow, iteration_task
+
     if runtime.task_runner != "ray":
-        return iteration_flow
+        return iteration_task
     _, prefect_ray = _require_ray()
     return iteration_flow.with_options(task_runner=prefect_ray.RayTaskRunner(address=runtime.ray_address))
 

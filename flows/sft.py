@@ -1,4 +1,4 @@
-"""Supervised fine-tuning of an attacker (run.mode=sft): one iteration subflow run per epoch, each an `sft_train`
+"""Supervised fine-tuning of an attacker (run.mode=sft): one iteration run per epoch, each an `sft_train`
 stage and a checkpoint, in a run directory like any other (resume, redo, verification, ownership). Its checkpoints
 have the format of GRPO checkpoints, so `defense.attacker` (or a lineage) can start from one."""
 

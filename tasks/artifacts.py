@@ -3,8 +3,9 @@ examples as markdown (behind a content warning), and links to its Parquet files.
 
 Artifact keys are per run (`<run-id>-metrics`, ...), so the UI shows each iteration as a new version of the
 same artifact. Outside a flow run there is nowhere to publish, and these functions are not called.
-An iteration's artifacts are created in its flow run, by a plain function rather than a task: a task run of its own
-would add Prefect's per-task cost to every iteration and show nothing more in the UI.
+An iteration's artifacts are created in its run (a task run, or with Ray a subflow run: flows/iteration.py), by a
+plain function rather than a task: a task run of their own would add Prefect's per-task cost to every iteration and
+show nothing more in the UI.
 """
 
 from __future__ import annotations

@@ -138,9 +138,9 @@ def test_each_iteration_publishes_metrics_top_examples_and_parquet_links(lineage
     notes = _artifacts(artifact_key("gen0", "top-examples"))
     links = _artifacts(artifact_key("gen0", "parquet"))
     assert [len(tables), len(notes), len(links)] == [2, 2, 2]
-    with get_client(sync_client=True) as client:  # each belongs to its iteration's flow run (published after it)
+    with get_client(sync_client=True) as client:  # each belongs to its iteration's run (a task run here)
         for artifacts in (tables, notes, links):
-            names = [client.read_flow_run(a.flow_run_id).name for a in artifacts]
+            names = [client.read_task_run(a.task_run_id).name for a in artifacts if a.task_run_id is not None]
             assert names == ["gen0-iteration-0", "gen0-iteration-1"], names
     last = json.loads(tables[-1].data) if isinstance(tables[-1].data, str) else tables[-1].data
     metrics = schemas.read_table(first.path(TRAIN_STEP, 1), schemas.TRAIN_METRICS).to_pylist()[0]
