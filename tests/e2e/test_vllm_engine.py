@@ -39,7 +39,6 @@ from redteam_grpo.tasks.evaluate import evaluate_checkpoint
 from redteam_grpo.tasks.evaluate_defense import evaluate_defense
 from tests.core.test_first_update_check import (
     PROMPTS,
-    _drop_the_first_prompt_id,
     _forget_the_temperature,
     _read_the_wrong_column,
     _shift_logprobs_one_token_late,
@@ -270,9 +269,12 @@ def test_on_the_engine_bfloat16_passes_the_first_update_check_and_each_misalignm
     correct = step(policy, make_optimizer(policy, cfg), batch, cfg)
     print(f"engine, bfloat16: KL {correct.sampler_kl:.2e}, mean |ratio - 1| {correct.first_ratio_abs_dev:.2e}")
     assert correct.logprob_mismatch_mean > 1e-4  # the engine's kernels are not the trainer's
+    # A lost first prompt id is left out here: what it changes in the distribution depends on the model, and with
+    # an embedded policy built on one CPU it was KL 2.4e-4 per token on these prompts, under bfloat16's tolerance,
+    # so no dtype-derived check can see it. The ids are checked exactly instead
+    # (tests/core/test_policy_invariants.py: the training forward sees exactly the ids the sampler fed and drew).
     for misalign in (
         _shift_logprobs_one_token_late,
-        _drop_the_first_prompt_id,
         _forget_the_temperature,
         _read_the_wrong_column,
     ):
