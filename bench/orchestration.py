@@ -184,8 +184,7 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
             past = torch.cat(memory[-r.novelty_memory_iterations :])[-r.novelty_memory_size :] if memory else None
             novelty = list(novelty_scores(embedded, past))
             memory.append(embedded)
-        sampled = [c.sample_logprobs for c in completions] if not r.entropy_weight else None
-        terms = policy_terms(policy, prompt_ids, completion_ids, cfg.training.micro_batch_size, sampled)
+        terms = policy_terms(policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)
         reward = [
             composite_reward(RewardTerms(s.score, rep, k, nov, bool(s.refusal), ent), r.weights)
             for s, rep, k, nov, ent in zip(scored, repetition, terms.kl, novelty, terms.entropy, strict=True)

@@ -56,12 +56,12 @@ SCORES = pa.schema(
         pa.field("novelty", pa.float64(), nullable=True),  # null when reward.novelty_weight is 0
         pa.field("embedding", pa.list_(pa.float32()), nullable=True),  # unit norm; later iterations' novelty memory
         pa.field("repetition_ratio", pa.float64(), nullable=False),
-        # log-probabilities of the sampled tokens under the sampling distribution (temperature, suppressed tokens);
-        # the policy's are the sampler's unless the policy's forward ran for the entropy
+        # log-probabilities of the sampled tokens under the sampling distribution (temperature, suppressed tokens),
+        # both from the trainer's forward (adapter on, adapter off), not the sampler's (rollouts keep those)
         pa.field("policy_logprobs", pa.list_(pa.float32()), nullable=False),
         pa.field("reference_logprobs", pa.list_(pa.float32()), nullable=False),  # the same, adapter off
         pa.field("kl", pa.float64(), nullable=False),  # mean per-token k3 KL(policy || base) on that distribution
-        # mean per-token entropy of the policy there; NaN when not computed (reward.entropy_weight 0)
+        # mean per-token entropy of the policy there
         pa.field("entropy", pa.float64(), nullable=False),
         pa.field("reward", pa.float64(), nullable=True),  # null when harm is null
         # dialogues: each policy answer's harm in the conversation up to it (the last is `harm`) and, with

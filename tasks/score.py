@@ -17,12 +17,12 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.models.policy import Policy
 from redteam_grpo.core.rollouts.dialogue import policy_rows
-from redteam_grpo.core.rollouts.logprobs import masked_mean, pad_ragged
+from redteam_grpo.core.rollouts.logprobs import masked_mean
 from redteam_grpo.core.scoring.backend import ScoringBackend
 from redteam_grpo.core.scoring.novelty import novelty_scores
 from redteam_grpo.core.scoring.scorers import ModelInfo
 from redteam_grpo.core.training.batching import micro_batches
-from redteam_grpo.core.training.kl import policy_entropy_reference_logprobs, reference_logprobs, sequence_kl
+from redteam_grpo.core.training.kl import policy_entropy_reference_logprobs, sequence_kl
 from redteam_grpo.core.training.rewards import (
     RewardTerms,
     ScoreStats,
@@ -55,8 +55,8 @@ def novelty_memory(
 @dataclass
 class PolicyTerms:
     """Per completion, under the sampling distribution of the active adapter and of the base (adapters off): the
-    logprobs of its tokens on both sides, the mean per-token k3 KL(policy_T || base_T) and the mean entropy (NaN when
-    the sampler's logprobs stood in for the policy's forward, which alone gives the entropy)."""
+    logprobs of its tokens on both sides, the mean per-token k3 KL(policy_T || base_T) and the policy's mean
+    entropy, all from the trainer's forwards."""
 
     policy_logprobs: list[list[float]] = field(default_factory=list)
     reference_logprobs: list[list[float]] = field(default_factory=list)
@@ -69,13 +69,14 @@ def policy_terms(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],
     micro_batch_size: int,
-    sampled_logprobs: list[list[float]] | None = None,
     micro_batch_tokens: int | None = None,
     spans: list[list[tuple[int, int]]] | None = None,
 ) -> PolicyTerms:
-    """With `sampled_logprobs` (recorded by the in-process sampler with the same weights and distribution) the policy
-    side is taken from them and only the base runs a forward; without, the policy's forward gives both sides'
-    logprobs and the entropy. Forwards over micro-batches of `core/training/batching.py`; the terms in the rows' order.
+    """Both sides of the KL from the trainer's forwards over the same micro-batches (adapter on, adapter off), and the
+    policy's entropy from the first. Never the sampler's logprobs: a cached decode (or another engine) rounds
+    differently from a full forward, by ~3e-4 per token in bfloat16 at 4B width, and that difference would be
+    charged as KL where policy and base are one model (iteration 0: LoRA's B is 0, both sides are bit-identical,
+    the KL exactly 0 in every dtype). Micro-batches of `core/training/batching.py`; the terms in the rows' order.
     `spans`: dialogues, whose terms are over the tokens of those spans of prompt + completion (the policy's turns)."""
     n = len(completion_ids)
     kl, entropy = [math.nan] * n, [math.nan] * n
@@ -85,13 +86,9 @@ def policy_terms(
     for rows in micro_batches(range(n), lengths, micro_batch_size, micro_batch_tokens):
         p, c = [prompt_ids[i] for i in rows], [completion_ids[i] for i in rows]
         s = [spans[i] for i in rows] if spans is not None else None
-        if sampled_logprobs is None:
-            pol, ref, ent, mask = policy_entropy_reference_logprobs(policy, p, c, s)
-            for i, value in zip(rows, masked_mean(ent, mask, dim=1).tolist(), strict=True):
-                entropy[i] = value
-        else:
-            ref, mask = reference_logprobs(policy, p, c, s)
-            pol = pad_ragged([sampled_logprobs[i] for i in rows], mask.shape[1])
+        pol, ref, ent, mask = policy_entropy_reference_logprobs(policy, p, c, s)
+        for i, value in zip(rows, masked_mean(ent, mask, dim=1).tolist(), strict=True):
+            entropy[i] = value
         for b, (i, value) in enumerate(zip(rows, sequence_kl(pol, ref, mask).tolist(), strict=True)):
             kl[i] = value
             n_trained = int(mask[b].sum())
@@ -211,16 +208,10 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
         embeddings = embedded.tolist()
 
     res.ensure_version(iteration - 1)  # the weights that sampled this batch
-    # both under the sampling distribution (temperature, suppressed ids): KL(policy_T || base_T). The in-process
-    # sampler's logprobs are the policy's (same weights, same distribution): only the base needs a forward,
-    # unless the reward needs the policy's entropy. Another engine's (vLLM) are not the trainer's: the
-    # policy's forward gives both sides on the trainer's kernels, and the scores keep them beside the sampler's.
-    in_process = cfg.sampling.backend == "hf"
-    sampled = scored_rows.logprobs if in_process and not r.entropy_weight else None
+    # both under the sampling distribution (temperature, suppressed ids), both on the trainer's kernels:
+    # KL(policy_T || base_T); the rollouts keep the sampler's own logprobs for the update's ratio
     t = cfg.training
-    terms = policy_terms(
-        res.policy, prompt_ids, completion_ids, t.micro_batch_size, sampled, t.micro_batch_tokens, spans
-    )
+    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)
     refusal = [bool(s.refusal) for s in scored]
     weights = r.weights
     reward = [

@@ -115,11 +115,12 @@ BUG_CLASSES = [
         "tests/server/test_vllm_client.py::test_an_adapters_name_is_a_digest_of_its_weights",
     ),
     (
-        "engine-logprobs-in-the-kl",
+        "sampler-logprobs-in-the-kl",
         "tasks/score.py",
-        'in_process = cfg.sampling.backend == "hf"',
-        "in_process = True",
-        "tests/e2e/test_vllm_engine.py::test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_set",
+        "    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)",
+        "    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)\n"
+        "    terms.kl[:] = [float(sequence_kl(torch.tensor([lp]), torch.tensor([ref]), torch.ones(1, len(lp), dtype=torch.bool))) for lp, ref in zip(scored_rows.logprobs, terms.reference_logprobs, strict=True)]",
+        "tests/tasks/test_stages.py::test_every_stage_output_is_read_back_by_the_next_stage",
     ),
     (
         "hidden-top-k",

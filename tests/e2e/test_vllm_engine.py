@@ -135,7 +135,7 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
     # another engine's kernels: the logprobs differ a little, far less than the first-update tolerance
     assert (metrics.logprob_mismatch_mean > 1e-4).all()
     # both kept: the engine's in the rollouts, the trainer's in the scores; the KL to the base is the trainer's on
-    # both sides, so at the zero adapter of iteration 0 it is exactly 0 (engine-logprobs-in-the-kl)
+    # both sides, so at the zero adapter of iteration 0 it is exactly 0 (sampler-logprobs-in-the-kl)
     for iteration in range(2):
         rollouts, scores = pd.read_parquet(run.path(SAMPLE, iteration)), pd.read_parquet(run.path(SCORE, iteration))
         deltas = [

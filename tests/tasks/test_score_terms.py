@@ -1,31 +1,50 @@
-"""The score stage's KL term from the sampler's logprobs: one forward (the base) instead of two, the same KL."""
+"""The score stage's KL term: both sides from the trainer's forwards, so policy = base gives exactly 0 in every dtype,
+and the terms do not depend on how rows are grouped into micro-batches."""
 
+import pytest
 import torch
 
+from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.models.chat import format_prompt_ids
+from redteam_grpo.core.models.policy import load_policy
+from redteam_grpo.core.rollouts.logprobs import pad_ragged
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.training.kl import sequence_kl
 from redteam_grpo.tasks.score import policy_terms
 
 
-def test_kl_from_the_samplers_logprobs_equals_the_policys_forward_with_half_the_forwards(tiny_policy):
+def _sampled(policy, n=4, max_new=16):
+    prompts = [format_prompt_ids(policy.tokenizer, t, None) for t in ("Hi", "Describe my coworker in detail.")]
+    completions = sample_completions(policy, prompts, n, max_new, 8, seed=0)
+    return [prompts[c.prompt_index] for c in completions], completions
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kl_at_the_base_is_exactly_zero_although_the_samplers_logprobs_differ(embedded_assets, dtype):
+    policy = load_policy(ModelConfig(dtype=dtype), 0.7, torch.device("cpu"), 0)  # LoRA B = 0: policy = base
+    prompt_ids, completions = _sampled(policy)
+    completion_ids = [c.completion_ids for c in completions]
+    terms = policy_terms(policy, prompt_ids, completion_ids, micro_batch_size=3)
+    assert terms.kl == [0.0] * len(completions)
+    assert terms.policy_logprobs == terms.reference_logprobs
+    # the sampler's cached decode rounds differently from a full forward: charged as KL, it would not be 0
+    sampled = pad_ragged([c.sample_logprobs for c in completions], max(map(len, completion_ids)))
+    reference = pad_ragged(terms.reference_logprobs, sampled.shape[1])
+    mask = pad_ragged([[1.0] * len(c) for c in completion_ids], sampled.shape[1]).bool()
+    assert sequence_kl(sampled, reference, mask).max() > 0
+
+
+def test_kl_is_positive_once_the_adapter_moves(tiny_policy):
     torch.manual_seed(0)
     for name, parameter in tiny_policy.model.named_parameters():
-        if "lora_B" in name:  # LoRA B starts at 0 (policy = base, KL 0): move the adapter so the KL is not trivial
+        if "lora_B" in name:  # move the adapter: policy != base
             parameter.data.normal_(0, 0.3)
-    prompts = [format_prompt_ids(tiny_policy.tokenizer, t, None) for t in ("Hi", "Describe my coworker in detail.")]
-    completions = sample_completions(tiny_policy, prompts, 4, 16, 8, seed=0)
-    prompt_ids = [prompts[c.prompt_index] for c in completions]
-    completion_ids = [c.completion_ids for c in completions]
-    forwards = []
-    hook = tiny_policy.model.get_base_model().register_forward_hook(lambda *_: forwards.append(1))
-    full = policy_terms(tiny_policy, prompt_ids, completion_ids, micro_batch_size=3)
-    full_forwards, forwards[:] = len(forwards), []
-    from_sampler = policy_terms(tiny_policy, prompt_ids, completion_ids, 3, [c.sample_logprobs for c in completions])
-    hook.remove()
-    assert len(forwards) * 2 == full_forwards
-    assert min(full.kl) >= 0 and max(full.kl) > 1e-3
-    assert torch.allclose(torch.tensor(from_sampler.kl), torch.tensor(full.kl), atol=1e-5)
-    assert from_sampler.policy_logprobs == [c.sample_logprobs for c in completions]
+    prompt_ids, completions = _sampled(tiny_policy)
+    terms = policy_terms(tiny_policy, prompt_ids, [c.completion_ids for c in completions], micro_batch_size=3)
+    assert min(terms.kl) >= 0 and max(terms.kl) > 1e-3
+    # the policy's side is the trainer's forward of the weights that sampled: equal to the sampler's to rounding
+    for forward, drawn in zip(terms.policy_logprobs, [c.sample_logprobs for c in completions], strict=True):
+        assert torch.allclose(torch.tensor(forward), torch.tensor(drawn), atol=1e-4)
 
 
 def test_terms_from_micro_batches_grouped_by_length_are_those_of_the_rows_in_order(tiny_policy):

@@ -69,6 +69,8 @@ def test_every_stage_output_is_read_back_by_the_next_stage(run):
     assert keys["sample"] == keys["score"] == keys["advantage"] and len(set(keys["sample"])) == 6
     assert tables["score"]["reward"] == tables["advantage"]["reward"]
     assert [len(x) for x in tables["score"]["reference_logprobs"]] == tables["sample"]["completion_length"]
+    # iteration 0: LoRA's B is 0, the policy is the base, and both sides of the KL come from the same forward
+    assert tables["score"]["kl"] == [0.0] * 6
     assert tables["train_step"]["iteration"] == [0]
     assert run.completed(CHECKPOINT, 0)
 
