@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.models.chat import end_of_turn_ids, turn_header_ids
+from redteam_grpo.core.models.cpu_matmul import fast_frozen_linear_backward, needs_fast_backward
 from redteam_grpo.core.models.quantization import check_attn_implementation, quantization_config
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
@@ -190,6 +191,8 @@ def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed
     )
     model = get_peft_model(base, lora)
     model.eval()
+    if quantization is None and needs_fast_backward(device, dtype):
+        fast_frozen_linear_backward(model)  # bfloat16 backward on a CPU without AVX-512: 40x faster
     policy = _wrap(model, tokenizer, temperature, device)
     check_trainable(policy)
     return policy

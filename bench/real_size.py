@@ -1,0 +1,277 @@
+"""The shipped Qwen3-4B configs at their real size, on whatever device is here: random weights of the real shapes,
+only the batch shrunk, through the real stages and the real CLI, resume included.
+
+    python bench/real_size.py                        # attack and defense, Qwen3-4B shapes, on the CPU (~15 min)
+    python bench/real_size.py --mode attack --shape small --iterations 1   # the script's code, in a minute
+
+What it builds (once, under --cache): a random Qwen3-4B in bfloat16 (`bench/qwen3_4b.py`, no float32 copy) and,
+for defense, a random judge of Llama-Guard-3-1B's shape (Llama 3.2 1B: hidden 2048, 16 layers, vocabulary
+128,256) in bfloat16, both with the embedded tokenizers. What it runs: `redteam-grpo run --config
+configs/qwen3-4b-instruct.yaml` (and `defense --config configs/defense-qwen3-4b.yaml`) with the model, scorer,
+data source and device replaced and the batch shrunk (--prompts x --group x --tokens), for --iterations, then
+`--resume` for one iteration more. Every setting the configs ship (learning rate, micro-batches, tolerances,
+dtype) is left as is: the first-update check runs at its default.
+
+What it reports, per iteration and stage: seconds (between the stage's completion and the previous one's, from the
+run's manifest), peak resident memory of the run's process in that window (sampled every 50 ms from /proc), and
+that peak minus the weights' bytes (what the stage added over the weights; the first stage of a process includes
+loading). And the checkpoint's size on disk. The figures go to OUT/real_size.json; the last measured ones are in
+bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+# meta-llama/Llama-Guard-3-1B's config.json (Llama 3.2 1B)
+LLAMA_GUARD_3_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128_256,
+    "max_position_embeddings": 131_072,
+    "rope_theta": 500_000.0,
+    "tie_word_embeddings": True,
+}
+SMALL_GUARD = {**LLAMA_GUARD_3_1B, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2}
+SMALL_GUARD.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+def build_judge(folder: Path, shape: dict) -> Path:
+    """A random Llama of `shape` in bfloat16 with the embedded judge's tokenizer (its chat template and verdict
+    words), saved once."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from redteam_grpo.core.models.policy import resolve_model_name
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name("embedded:tiny-guard"))
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)  # bfloat16 directly: no float32 copy
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def build_policy(folder: Path, shape: str) -> Path:
+    import qwen3_4b
+
+    if not (folder / "config.json").exists():
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        qwen3_4b.build(tmp, shape=shape)
+        tmp.rename(folder)
+    return folder
+
+
+def weight_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def measured(command: list[str], log: Path) -> tuple[int, list[tuple[float, int]], float]:
+    """Run `command`, sampling its resident memory every 50 ms: (exit status, [(unix time, bytes)], seconds)."""
+    samples: list[tuple[float, int]] = []
+    started = time.time()
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+        def sample() -> None:
+            while process.poll() is None:
+                rss = rss_bytes(process.pid)
+                if rss is not None:
+                    samples.append((time.time(), rss))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        status = process.wait()
+        sampler.join()
+    return status, samples, time.time() - started
+
+
+def stage_windows(manifest: dict, since: float) -> list[tuple[int, str, float, float]]:
+    """(iteration, stage, start, end) of every stage completed after `since`, in completion order; a stage starts
+    where the previous one ended (the first where the process started)."""
+    done = []
+    for key, entry in manifest.get("stages", {}).items():
+        at = dt.datetime.fromisoformat(entry["completed_at"]).timestamp()
+        if at >= since:
+            iteration, stage = key.split("/", 1) if "/" in key else (None, key)
+            done.append((at, iteration, stage))
+    done.sort()
+    windows, start = [], since
+    for at, iteration, stage in done:
+        windows.append((int(iteration) if iteration is not None else -1, stage, start, at))
+        start = at
+    return windows
+
+
+def stage_rows(run: Path, samples, since: float, weights: int) -> list[dict]:
+    manifest = json.loads((run / "manifest.json").read_text())
+    rows = []
+    for iteration, stage, start, end in stage_windows(manifest, since):
+        inside = [rss for t, rss in samples if start <= t <= end] or [0]
+        peak = max(inside)
+        rows.append(
+            {
+                "iteration": iteration,
+                "stage": stage,
+                "seconds": round(end - start, 2),
+                "peak_gb": round(peak / 1e9, 2),
+                "added_gb": round((peak - weights) / 1e9, 2),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["attack", "defense", "both"], default="both")
+    parser.add_argument("--shape", choices=["4b", "small"], default="4b", help="small: hidden 512 x 8, to try")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--group", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=2, help="then one more by --resume")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "redteam-grpo" / "bench")
+    parser.add_argument("--out", type=Path, default=Path("bench-results") / "real-size")
+    args = parser.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    policy = build_policy(args.cache / f"qwen3-{args.shape}-random", args.shape)
+    console.print(f"policy: {policy} ({weight_bytes(policy) / 1e9:.2f} GB) in {time.perf_counter() - started:.0f} s")
+    weights = weight_bytes(policy)
+    cli = [str(Path(sys.executable).with_name("redteam-grpo"))]
+    shrink = [
+        f"model.policy={policy}",
+        f"run.device={args.device}",
+        f"sampling.group_size={args.group}",
+        f"sampling.max_new_tokens={args.tokens}",
+        f"sampling.batch_size={args.prompts * args.group}",
+        f"data.prompts_per_iteration={args.prompts}",
+        f"run.iterations={args.iterations}",
+        f"run.runs_dir={args.out.resolve() / 'runs'}",
+    ]
+    modes = {
+        "attack": (
+            "run",
+            "configs/qwen3-4b-instruct.yaml",
+            ["data.source=bundled", "reward.scorer=embedded:tiny-toxicity", "reward.toxic_label=toxic"],
+        ),
+        "defense": ("defense", "configs/defense-qwen3-4b.yaml", ["defense.attacker_max_new_tokens=16"]),
+    }
+    if args.mode in ("defense", "both"):
+        judge = build_judge(
+            args.cache / f"llama-guard-3-1b-{args.shape}-random",
+            LLAMA_GUARD_3_1B if args.shape == "4b" else SMALL_GUARD,
+        )
+        modes["defense"][2].append(f"reward.scorer={judge}")
+        weights_judge = weight_bytes(judge)
+    results = {"shape": args.shape, "policy_weights_gb": round(weights / 1e9, 3), "modes": {}}
+    for mode in ("attack", "defense") if args.mode == "both" else (args.mode,):
+        command, config, extra = modes[mode]
+        run_id = f"{mode}-{args.shape}"
+        shutil.rmtree(args.out / "runs" / run_id, ignore_errors=True)
+        sets = [*shrink, *extra, f"run.run_id={run_id}"]
+        held = weights + (weights_judge if mode == "defense" else 0)
+        phases = []
+        for label, argv in (
+            ("run", [*cli, command, "--config", config, *[a for s in sets for a in ("--set", s)]]),
+            (
+                "resume",
+                [
+                    *cli,
+                    command,
+                    "--resume",
+                    str(args.out / "runs" / run_id),
+                    "--set",
+                    f"run.iterations={args.iterations + 1}",
+                ],
+            ),
+        ):
+            since = time.time()
+            status, samples, seconds = measured(argv, args.out / f"{run_id}-{label}.log")
+            if status != 0:
+                console.print((args.out / f"{run_id}-{label}.log").read_text()[-3000:])
+                raise SystemExit(
+                    f"{mode} {label} failed with exit status {status}: see {args.out}/{run_id}-{label}.log"
+                )
+            rows = stage_rows(args.out / "runs" / run_id, samples, since, held)
+            peak = max(rss for _, rss in samples)
+            phases.append(
+                {"phase": label, "seconds": round(seconds, 1), "peak_gb": round(peak / 1e9, 2), "stages": rows}
+            )
+        checkpoints = sorted((args.out / "runs" / run_id / "checkpoints").glob("iter_*"))
+        sizes = {f.name: sum(x.stat().st_size for x in f.iterdir()) for f in checkpoints[-1:]}
+        files = {x.name: x.stat().st_size for x in checkpoints[-1].iterdir()}
+        results["modes"][mode] = {
+            "weights_gb": round(held / 1e9, 3),
+            "phases": phases,
+            "checkpoint_bytes": sizes,
+            "checkpoint_files": files,
+        }
+        table = Table(
+            title=f"{mode}: Qwen3-{args.shape} random, bf16, {args.prompts} prompts x G {args.group} x "
+            f"{args.tokens} tokens, weights {held / 1e9:.2f} GB"
+        )
+        for column in ("phase", "iteration", "stage", "seconds", "peak GB", "peak / weights", "added GB"):
+            table.add_column(column, justify="right")
+        for phase in phases:
+            for row in phase["stages"]:
+                peak_ratio = row["peak_gb"] * 1e9 / held
+                table.add_row(
+                    phase["phase"],
+                    str(row["iteration"]),
+                    row["stage"],
+                    f"{row['seconds']:.1f}",
+                    f"{row['peak_gb']:.2f}",
+                    f"{peak_ratio:.2f}x",
+                    f"{row['added_gb']:+.2f}",
+                )
+        console.print(table)
+        for name, size in files.items():
+            console.print(f"  checkpoint {checkpoints[-1].name}/{name}: {size / 1e6:.1f} MB")
+    (args.out / "real_size.json").write_text(json.dumps(results, indent=2))
+    console.print(f"figures: {args.out / 'real_size.json'}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
