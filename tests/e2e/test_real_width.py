@@ -1,0 +1,113 @@
+"""Qwen3-4B's width, two of its layers, in bfloat16: the shipped attack config through every stage by the CLI, with
+only the batch shrunk. What a tiny model cannot exercise: vocabulary-sized tensors (151,936 ids), bfloat16 at real
+width in the first-update check and the KL, LoRA on real projection shapes, the checkpoint's contents. The whole
+model at 36 layers: bench/real_size.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+
+from redteam_grpo.core.config import TrainingConfig
+from redteam_grpo.core.training.train import first_update_tolerance
+
+ROOT = Path(__file__).resolve().parents[2]
+# Qwen/Qwen3-4B's config.json but for its depth (36 layers)
+QWEN3_4B_WIDTH = {
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": True,
+}
+# The interpreter with torch, transformers, peft and Prefect imported, the embedded scorer and the toy data: what a
+# run holds beside the policy's weights (the same run with the tiny embedded policy peaks at 0.68 GB). The bound
+# is 1.5x the weights beside it; measured: 2.20 GB for 1.18 GB of weights (the stages add 0.34 GB, 0.29x).
+RUNTIME_BYTES = 0.8e9
+MEASURED = (
+    "import resource, subprocess, sys\n"
+    "status = subprocess.run(sys.argv[1:]).returncode\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
+    "sys.exit(status)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def real_width_folder(tmp_path_factory, embedded_assets):
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from redteam_grpo.core.config import ModelConfig
+    from redteam_grpo.core.models.policy import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelConfig())
+    torch.manual_seed(0)
+    config = Qwen3Config(**QWEN3_4B_WIDTH, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)  # no float32 copy
+    with torch.no_grad():  # speak the tokenizer's ids: ids it has no text for decode to nothing, all rewards equal
+        embeddings = model.get_input_embeddings().weight  # tied: the LM head's rows too
+        embeddings[len(tokenizer) :] = 0  # their logits 0 ...
+        embeddings[: len(tokenizer)] *= 5  # ... the tokenizer's ~N(0, 25): those are drawn
+    model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    folder = tmp_path_factory.mktemp("qwen3-4b-width")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_shipped_config_at_real_width_runs_every_stage_in_bfloat16(real_width_folder, tmp_path):
+    weights = sum(f.stat().st_size for f in real_width_folder.glob("*.safetensors"))
+    settings = [
+        f"model.policy={real_width_folder}",
+        "run.device=cpu",
+        "data.source=bundled",
+        "reward.scorer=embedded:tiny-toxicity",
+        "reward.toxic_label=toxic",
+        "data.prompts_per_iteration=2",
+        "sampling.group_size=2",
+        "sampling.batch_size=4",
+        "sampling.max_new_tokens=8",
+        "run.iterations=1",
+        f"run.runs_dir={tmp_path}",
+        "run.run_id=width",
+        "logging.progress=false",
+    ]
+    cli = [sys.executable, "-m", "redteam_grpo.cli.main", "run", "--config", "configs/qwen3-4b-instruct.yaml"]
+    command = [sys.executable, "-c", MEASURED, *cli, *[a for s in settings for a in ("--set", s)]]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    # every setting the config ships, the first-update tolerance included, is left as it is: the run passes it
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = int(out.stdout.strip().splitlines()[-1])
+    run = tmp_path / "width"
+
+    metrics = pq.read_table(run / "iter_0000" / "train_metrics.parquet").to_pylist()[0]
+    assert metrics["sampler_kl"] <= first_update_tolerance(TrainingConfig(), torch.bfloat16)
+    assert metrics["grad_norm"] > 0
+    # the policy is the base at iteration 0 and both sides of the KL are the trainer's forwards: exactly 0
+    assert pq.read_table(run / "iter_0000" / "scores.parquet").column("kl").to_pylist() == [0.0] * 4
+
+    checkpoint = run / "checkpoints" / "iter_0000"
+    assert sorted(f.name for f in checkpoint.iterdir()) == [
+        "adapter.safetensors",
+        "manifest.json",
+        "optimizer.safetensors",
+    ]
+    with safe_open(checkpoint / "adapter.safetensors", "pt") as adapter:
+        shapes = {key: adapter.get_slice(key).get_shape() for key in adapter.keys()}
+    assert shapes and all("lora_" in key for key in shapes)  # the adapter only, never the base
+    rank, h, q, kv, i = 16, 2560, 32 * 128, 8 * 128, 9728
+    lora_parameters = 2 * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)  # 2 layers: q, o; k, v; gate, up, down
+    assert sum(a * b for a, b in shapes.values()) == lora_parameters
+    assert (checkpoint / "adapter.safetensors").stat().st_size < 4 * lora_parameters + 100_000  # float32, no more
+
+    print(json.dumps({"peak_bytes": peak, "weight_bytes": weights}))
+    assert peak <= 1.5 * weights + RUNTIME_BYTES, json.dumps({"peak": peak, "weights": weights})
