@@ -102,7 +102,7 @@ def test_the_shipped_config_at_real_width_runs_every_stage_in_bfloat16(real_widt
         "optimizer.safetensors",
     ]
     with safe_open(checkpoint / "adapter.safetensors", "pt") as adapter:
-        shapes = {key: adapter.get_slice(key).get_shape() for key in adapter.keys()}
+        shapes = {key: adapter.get_slice(key).get_shape() for key in adapter.keys()}  # noqa: SIM118 (not iterable)
     assert shapes and all("lora_" in key for key in shapes)  # the adapter only, never the base
     rank, h, q, kv, i = 16, 2560, 32 * 128, 8 * 128, 9728
     lora_parameters = 2 * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)  # 2 layers: q, o; k, v; gate, up, down
