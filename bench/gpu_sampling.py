@@ -39,7 +39,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engine(folder: Path, model: Path, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    folder: Path, model: Path, dtype: str, log: Path, kv_cache_gib: float = 4
+) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _free_port()
@@ -48,7 +50,7 @@ def start_engine(folder: Path, model: Path, dtype: str, log: Path) -> tuple[subp
         "--port",
         str(port),
         "--kv-cache-gib",
-        "4",
+        str(kv_cache_gib),
         "--set",
         f"model.policy={model}",
         "--set",

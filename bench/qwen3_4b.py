@@ -46,6 +46,10 @@ def build(folder: Path, tiny: bool = False, shape: str | None = None) -> Path:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         # built in bfloat16 directly: a float32 copy first would need twice the memory (16 GB at 4B)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # speak the tokenizer's ids: ids it has no text for decode to nothing, all rewards equal
+        embeddings = model.get_input_embeddings().weight  # tied: the LM head's rows too
+        embeddings[len(tokenizer) :] = 0  # their logits 0 ...
+        embeddings[: len(tokenizer)] *= 5  # ... the tokenizer's ~N(0, 25): those are drawn
     model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -3,6 +3,7 @@ only the batch shrunk, through the real stages and the real CLI, resume included
 
     python bench/real_size.py                        # attack and defense, Qwen3-4B shapes, on the CPU (~15 min)
     python bench/real_size.py --mode attack --shape small --iterations 1   # the script's code, in a minute
+    python bench/real_size.py --engine .vllm         # sampling on the vLLM engine, its own process (install-sampler)
 
 What it builds (once, under --cache): a random Qwen3-4B in bfloat16 (`bench/qwen3_4b.py`, no float32 copy) and,
 for defense, a random judge of Llama-Guard-3-1B's shape (Llama 3.2 1B: hidden 2048, 16 layers, vocabulary
@@ -10,7 +11,10 @@ for defense, a random judge of Llama-Guard-3-1B's shape (Llama 3.2 1B: hidden 20
 configs/qwen3-4b-instruct.yaml` (and `defense --config configs/defense-qwen3-4b.yaml`) with the model, scorer,
 data source and device replaced and the batch shrunk (--prompts x --group x --tokens), for --iterations, then
 `--resume` for one iteration more. Every setting the configs ship (learning rate, micro-batches, tolerances,
-dtype) is left as is: the first-update check runs at its default.
+dtype) is left as is, the first-update check at its default, unless `--set KEY=VALUE` says otherwise. The random
+model's tied embeddings are scaled so that it draws the ids the embedded tokenizer has text for (bench/qwen3_4b.py):
+its logits spread about 5 wide, where bfloat16 rounding between the sampler's cached decode and the trainer's full
+forward is KL 3.7e-3 to 6.5e-3 per token, above the default bound (bench/README.md, section 8).
 
 What it reports, per iteration and stage: seconds (between the stage's completion and the previous one's, from the
 run's manifest), peak resident memory of the run's process in that window (sampled every 50 ms from /proc), and
@@ -26,6 +30,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -100,25 +105,45 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def measured(command: list[str], log: Path) -> tuple[int, list[tuple[float, int]], float]:
-    """Run `command`, sampling its resident memory every 50 ms: (exit status, [(unix time, bytes)], seconds)."""
+def group_rss_bytes(group: int) -> int:
+    """Resident memory of every process of process group `group` (the engine's server and its engine core)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[2]) == group:  # fields after the name: state, ppid, pgrp
+            total += rss_bytes(int(stat.parent.name)) or 0
+    return total
+
+
+def measured(
+    command: list[str], log: Path, engine_group: int | None = None
+) -> tuple[int, list[tuple[float, int]], float, int]:
+    """Run `command`, sampling its resident memory every 50 ms: (exit status, [(unix time, bytes)], seconds, the
+    engine's peak resident bytes meanwhile (0 without one))."""
     samples: list[tuple[float, int]] = []
+    engine_peak = 0
     started = time.time()
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
         def sample() -> None:
+            nonlocal engine_peak
             while process.poll() is None:
                 rss = rss_bytes(process.pid)
                 if rss is not None:
                     samples.append((time.time(), rss))
+                if engine_group is not None and len(samples) % 20 == 0:  # a walk of /proc: once a second
+                    engine_peak = max(engine_peak, group_rss_bytes(engine_group))
                 time.sleep(0.05)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         status = process.wait()
         sampler.join()
-    return status, samples, time.time() - started
+    return status, samples, time.time() - started, engine_peak
 
 
 def stage_windows(manifest: dict, since: float) -> list[tuple[int, str, float, float]]:
@@ -142,7 +167,9 @@ def stage_rows(run: Path, samples, since: float, weights: int) -> list[dict]:
     manifest = json.loads((run / "manifest.json").read_text())
     rows = []
     for iteration, stage, start, end in stage_windows(manifest, since):
-        inside = [rss for t, rss in samples if start <= t <= end] or [0]
+        inside = [rss for t, rss in samples if start <= t <= end]
+        if not inside:  # a stage shorter than the sampling interval: the last sample before its end
+            inside = [rss for t, rss in samples if t <= end][-1:] or [0]
         peak = max(inside)
         rows.append(
             {
@@ -165,12 +192,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=2, help="then one more by --resume")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--engine", type=Path, help="an engine environment (install-sampler): sample on vLLM")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="the engine's KV cache (--engine)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="one more setting for every run (repeatable)"
+    )
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "redteam-grpo" / "bench")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "real-size")
     args = parser.parse_args()
 
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,6 +219,7 @@ def main() -> None:
         f"data.prompts_per_iteration={args.prompts}",
         f"run.iterations={args.iterations}",
         f"run.runs_dir={args.out.resolve() / 'runs'}",
+        *args.set,
     ]
     modes = {
         "attack": (
@@ -197,6 +229,7 @@ def main() -> None:
         ),
         "defense": ("defense", "configs/defense-qwen3-4b.yaml", ["defense.attacker_max_new_tokens=16"]),
     }
+    weights_judge = 0
     if args.mode in ("defense", "both"):
         judge = build_judge(
             args.cache / f"llama-guard-3-1b-{args.shape}-random",
@@ -205,6 +238,30 @@ def main() -> None:
         modes["defense"][2].append(f"reward.scorer={judge}")
         weights_judge = weight_bytes(judge)
     results = {"shape": args.shape, "policy_weights_gb": round(weights / 1e9, 3), "modes": {}}
+    engine = None
+    if args.engine:
+        from gpu_sampling import start_engine
+
+        with console.status("starting the engine ..."):
+            engine, url = start_engine(
+                args.engine.resolve(), policy, "bfloat16", args.out / "engine.log", args.kv_cache_gib
+            )
+        shrink += ["sampling.backend=vllm", f"sampling.vllm_url={url}"]
+        results["engine"] = {"kv_cache_gib": args.kv_cache_gib, "idle_gb": round(group_rss_bytes(engine.pid) / 1e9, 2)}
+        console.print(f"engine at {url}: {results['engine']['idle_gb']} GB resident before the runs")
+    try:
+        run_modes(args, console, results, modes, shrink, cli, weights, weights_judge, engine)
+    finally:
+        if engine is not None:
+            os.killpg(engine.pid, signal.SIGTERM)
+            engine.wait(60)
+    (args.out / "real_size.json").write_text(json.dumps(results, indent=2))
+    console.print(f"figures: {args.out / 'real_size.json'}")
+
+
+def run_modes(args, console, results, modes, shrink, cli, weights, weights_judge, engine) -> None:
+    from rich.table import Table
+
     for mode in ("attack", "defense") if args.mode == "both" else (args.mode,):
         command, config, extra = modes[mode]
         run_id = f"{mode}-{args.shape}"
@@ -227,7 +284,9 @@ def main() -> None:
             ),
         ):
             since = time.time()
-            status, samples, seconds = measured(argv, args.out / f"{run_id}-{label}.log")
+            status, samples, seconds, engine_peak = measured(
+                argv, args.out / f"{run_id}-{label}.log", engine.pid if engine is not None else None
+            )
             if status != 0:
                 console.print((args.out / f"{run_id}-{label}.log").read_text()[-3000:])
                 raise SystemExit(
@@ -236,7 +295,13 @@ def main() -> None:
             rows = stage_rows(args.out / "runs" / run_id, samples, since, held)
             peak = max(rss for _, rss in samples)
             phases.append(
-                {"phase": label, "seconds": round(seconds, 1), "peak_gb": round(peak / 1e9, 2), "stages": rows}
+                {
+                    "phase": label,
+                    "seconds": round(seconds, 1),
+                    "peak_gb": round(peak / 1e9, 2),
+                    "engine_peak_gb": round(engine_peak / 1e9, 2),
+                    "stages": rows,
+                }
             )
         checkpoints = sorted((args.out / "runs" / run_id / "checkpoints").glob("iter_*"))
         sizes = {f.name: sum(x.stat().st_size for x in f.iterdir()) for f in checkpoints[-1:]}
@@ -268,8 +333,11 @@ def main() -> None:
         console.print(table)
         for name, size in files.items():
             console.print(f"  checkpoint {checkpoints[-1].name}/{name}: {size / 1e6:.1f} MB")
-    (args.out / "real_size.json").write_text(json.dumps(results, indent=2))
-    console.print(f"figures: {args.out / 'real_size.json'}")
+        for phase in phases:
+            line = f"  {phase['phase']}: {phase['seconds']:.0f} s in all (the process's start and model loads too)"
+            if engine is not None:
+                line += f"; the engine's peak resident memory meanwhile {phase['engine_peak_gb']:.2f} GB"
+            console.print(line)
 
 
 if __name__ == "__main__":
