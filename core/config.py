@@ -170,8 +170,9 @@ class TrainingConfig(_Section):
     sampler_kl) exceeds this: the trainer would not be computing the distribution the tokens were drawn from (a
     misaligned mask, an unreplayed temperature, other ids). None: derived from model.dtype, 16 x the dtype's
     machine epsilon squared, at least 1e-6 (float32 1e-6, bfloat16 9.8e-4, float16 1.5e-5): measured, rounding
-    noise of a correct run stays below 3e-4 in bfloat16 (a 4B model) while a misalignment puts O(1) nats on some
-    tokens (core/training/train.py)."""
+    noise of a correct run stays below 3e-4 in bfloat16 (a random 4B model, logits of standard deviation 1) while a
+    misalignment puts O(1) nats on some tokens; it grows with the square of the logits' scale (3.7e-3 to 6.5e-3 at
+    a standard deviation of 5), so a deep model with peaked logits may need a larger bound (core/training/train.py)."""
     logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
     """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
     mismatch of another engine's kernels, sampling.backend=vllm)."""
