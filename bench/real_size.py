@@ -1,7 +1,7 @@
 """The shipped Qwen3-4B configs at their real size, on whatever device is here: random weights of the real shapes,
 only the batch shrunk, through the real stages and the real CLI, resume included.
 
-    python bench/real_size.py                        # attack and defense, Qwen3-4B shapes, on the CPU (~15 min)
+    python bench/real_size.py                        # attack and defense, Qwen3-4B shapes (~40 min on 2 CPU cores)
     python bench/real_size.py --mode attack --shape small --iterations 1   # the script's code, in a minute
     python bench/real_size.py --engine .vllm         # sampling on the vLLM engine, its own process (install-sampler)
 
