@@ -190,9 +190,9 @@ def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(base, lora)
-    model.eval()
     if quantization is None and needs_fast_backward(device, dtype):
         fast_frozen_linear_backward(model)  # bfloat16 backward on a CPU without AVX-512: 40x faster
+    model.eval()
     policy = _wrap(model, tokenizer, temperature, device)
     check_trainable(policy)
     return policy
