@@ -26,7 +26,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.models.chat import end_of_turn_ids, turn_header_ids
-from redteam_grpo.core.models.cpu_matmul import fast_frozen_linear_backward, needs_fast_backward
+from redteam_grpo.core.models.cpu_matmul import (
+    contiguous_head_input,
+    fast_frozen_linear_backward,
+    needs_fast_backward,
+)
 from redteam_grpo.core.models.quantization import check_attn_implementation, quantization_config
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
@@ -189,6 +193,7 @@ def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
+    contiguous_head_input(base)  # generate's first step would copy the head's weight per row (cpu_matmul.py)
     model = get_peft_model(base, lora)
     if quantization is None and needs_fast_backward(device, dtype):
         fast_frozen_linear_backward(model)  # bfloat16 backward on a CPU without AVX-512: 40x faster

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from redteam_grpo.core.models.cpu_matmul import contiguous_head_input
 from redteam_grpo.core.models.policy import resolve_model_name
 from redteam_grpo.core.scoring.scorers import (
     Context,
@@ -94,6 +95,7 @@ class SafetyJudgeScorer:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(path, revision=revision).to(device).eval()
+        contiguous_head_input(self.model)  # generate's first step would copy the head's weight per row
         self.safe_id, self.unsafe_id = self._verdict_token(SAFE), self._verdict_token(UNSAFE)
         if self.safe_id == self.unsafe_id:
             raise ScorerError(

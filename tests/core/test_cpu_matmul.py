@@ -49,3 +49,32 @@ def test_the_routing_is_applied_where_bfloat16_is_slow_only():
     assert not needs_fast_backward(torch.device("cuda"), torch.bfloat16)
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     assert needs_fast_backward(cpu, torch.bfloat16) is not avx512
+
+
+def test_the_lm_head_sees_a_contiguous_input_when_sampling_so_its_weight_is_not_copied_per_row(embedded_assets):
+    """generate's first step slices the last position out of the prompt's hidden states; a sliced input makes
+    PyTorch's CPU linear copy the head's weight once per row (6.2 GB for 8 rows of Qwen3-4B's head)."""
+    from redteam_grpo.core.rollouts.sampling import sample_completions
+
+    policy = load_policy(ModelConfig(dtype="bfloat16"), 1.0, torch.device("cpu"), 0)
+    seen: list[bool] = []
+    policy.model.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].is_contiguous())
+    )
+    prompts = [[*range(5, 5 + n)] for n in (7, 12, 9)]
+    sample_completions(policy, prompts, 2, 3, batch_size=6, seed=0)
+    assert seen and all(seen), seen
+
+
+def test_a_sliced_input_to_the_head_gives_the_same_logits_made_contiguous():
+    head = torch.nn.Linear(64, 1000, bias=False, dtype=torch.bfloat16)
+    hidden = torch.randn(4, 9, 64, dtype=torch.bfloat16)
+    sliced = hidden[:, -1:, :]
+    assert not sliced.is_contiguous()
+    expected = head(sliced)
+    from redteam_grpo.core.models.cpu_matmul import contiguous_head_input
+
+    model = torch.nn.Module()
+    model.get_output_embeddings = lambda: head
+    assert contiguous_head_input(model)
+    assert torch.equal(head(sliced), expected)
