@@ -55,8 +55,15 @@ def test_torchrun_update_equals_the_single_process_update(tmp_path):
             assert a.keys() == b.keys()
             moved = max(float((a[k] - load_file(single.checkpoint_dir(-1) / name)[k]).abs().max()) for k in a)
             assert moved > 1e-4  # the update did move the adapter
+            # Summed over two processes the gradients differ from one process's in float rounding; Adam divides
+            # each by its own magnitude, so an element whose gradient is at rounding level can move by a share of
+            # the step either way (seen: 1 of 4,096 elements off by 4e-6). Every other element agrees to float
+            # tolerance, and none is off by more than a twentieth of the largest move: a share of the batch left
+            # out or counted twice moves many elements by a whole step.
             for key in a:
-                torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+                off = (b[key] - a[key]).abs()
+                assert float(off.max()) <= moved / 20, key
+                assert float((off > 1e-6 + 1e-5 * a[key].abs()).float().mean()) <= 1e-3, key
         one = single.read(TRAIN_STEP, 0).to_pylist()[0]
         two = parallel.read(TRAIN_STEP, 0).to_pylist()[0]
         for name, value in one.items():
