@@ -14,7 +14,8 @@ data source and device replaced and the batch shrunk (--prompts x --group x --to
 dtype) is left as is, the first-update check at its default, unless `--set KEY=VALUE` says otherwise. The random
 model's tied embeddings are scaled so that it draws the ids the embedded tokenizer has text for (bench/qwen3_4b.py):
 its logits spread about 5 wide, where bfloat16 rounding between the sampler's cached decode and the trainer's full
-forward is KL 3.7e-3 to 6.5e-3 per token, above the default bound (bench/README.md, section 8).
+forward is KL 5.8e-3 to 8.2e-3 per token, under the default bound, which grows with the depth and the logits'
+squared scale (5.5e-2 here; bench/README.md, section 8).
 
 What it reports, per iteration and stage: seconds (between the stage's completion and the previous one's, from the
 run's manifest), peak resident memory of the run's process in that window (sampled every 50 ms from /proc), and

@@ -168,11 +168,13 @@ class TrainingConfig(_Section):
     first_update_kl_tolerance: float | None = Field(None, gt=0.0)
     """The first update is refused when KL(sampler ‖ trainer) per token (k3 on the first update's ratio: the metric
     sampler_kl) exceeds this: the trainer would not be computing the distribution the tokens were drawn from (a
-    misaligned mask, an unreplayed temperature, other ids). None: derived from model.dtype, 16 x the dtype's
-    machine epsilon squared, at least 1e-6 (float32 1e-6, bfloat16 9.8e-4, float16 1.5e-5): measured, rounding
-    noise of a correct run stays below 3e-4 in bfloat16 (a random 4B model, logits of standard deviation 1) while a
-    misalignment puts O(1) nats on some tokens; it grows with the square of the logits' scale (3.7e-3 to 6.5e-3 at
-    a standard deviation of 5), so a deep model with peaked logits may need a larger bound (core/training/train.py)."""
+    misaligned mask, an unreplayed temperature, other ids). None: derived from the rounding noise's causes, in units of
+    the dtype's machine epsilon squared: the decoder layers times the logits' squared scale (their variance over the
+    vocabulary, reweighted to the LM-head rows drawn; mean over the trained tokens), at least 16, and at least 1e-6
+    (bfloat16: 9.8e-4 for a shallow model, 2.2e-3 for a 36-layer one with logits of scale 1, 5.5e-2 with scale 5;
+    float32 1e-6). Measured, rounding noise of a correct run stays below a sixth of it (a random Qwen3-4B: 3.1e-4,
+    and 5.8e-3 to 8.2e-3) while a misalignment puts O(1) nats on some tokens (core/training/train.py). The bound
+    used is the metric sampler_kl_tolerance."""
     logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
     """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
     mismatch of another engine's kernels, sampling.backend=vllm)."""

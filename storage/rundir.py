@@ -38,8 +38,12 @@ from redteam_grpo.storage.modes import MODES, mode_of
 from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 9
+RUN_FORMAT = 10
 FORMAT_CHANGES = {
+    9: (
+        "train_metrics.parquet gained sampler_kl_tolerance: the first-update check's bound, by default derived from "
+        "the model's layers and logit variance as well as its dtype"
+    ),
     8: (
         "the scorer's score is named harm in every mode: scores.parquet toxicity -> harm, turn_toxicity -> "
         "turn_harm; evaluation toxicity -> harm; metrics toxicity_mean -> harm_mean, refusal_share_of_toxic -> "

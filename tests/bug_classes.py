@@ -321,9 +321,16 @@ BUG_CLASSES = [
     (
         "first-update-check-loosened",
         "core/training/train.py",
-        "tolerance = first_update_tolerance(cfg, policy.compute_dtype)",
+        "tolerance = diagnostics.tolerance(cfg, policy.compute_dtype, layers)",
         "tolerance = 0.05",
         "tests/core/test_first_update_check.py::test_each_misalignment_is_refused_in_bfloat16_at_the_default_tolerance",
+    ),
+    (
+        "first-update-tolerance-blind-to-depth",
+        "core/training/train.py",
+        "units = max(KL_TOLERANCE_EPS2, KL_TOLERANCE_PER_LAYER_SCALE * layers * logit_scale)",
+        "units = KL_TOLERANCE_EPS2",
+        "tests/core/test_first_update_check.py::test_the_default_tolerance_follows_the_compute_dtype_depth_and_logit_scale_and_a_set_one_wins tests/core/test_first_update_check.py::test_the_tolerance_grows_with_a_deep_models_spread_logits_and_still_refuses_a_misalignment",
     ),
     (
         "kl-untempered-at-temperature",

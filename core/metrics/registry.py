@@ -91,6 +91,13 @@ METRICS: tuple[Metric, ...] = (
         "{:.1e}",
         LOG,
     ),
+    _m(
+        "sampler_kl_tolerance",
+        "KL bound",
+        "The largest sampler_kl the first update accepts: training.first_update_kl_tolerance, else derived from the "
+        "dtype, the number of layers and the variance of the logits (rounding noise grows with each).",
+        "{:.1e}",
+    ),
     _m("ratio_mean", "ratio", "Mean importance ratio of the first update (1 when on-policy).", "{:.4f}", LOG, TABLE),
     _m("ratio_std", "±ratio", "Sample std of the first update's importance ratio.", "{:.4f}", LOG, TABLE),
     _m("ratio_max", "ratio max", "Largest importance ratio of the first update.", "{:.4f}"),

@@ -43,6 +43,33 @@ def entropy(logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
     return -torch.where(probs > 0, probs * logprobs_B_C_V, torch.zeros_like(probs)).sum(-1)
 
 
+def logit_noise_scale(logprobs_B_C_V: torch.Tensor, head_row_norms_V: torch.Tensor | None = None) -> torch.Tensor:
+    """The squared scale of each position's logits that rounding noise is proportional to: [B, C]. Their variance
+    over the vocabulary (that of the logprobs, which differ by a constant; suppressed tokens, at -inf, left out),
+    reweighted to the tokens the distribution draws: times the mean squared LM-head row norm under the distribution
+    over its mean over the vocabulary (`head_row_norms_V`: squared row norms; None: rows of one norm). A logit is a
+    row times the last hidden state, so its rounding noise is that row's norm times the state's: where the drawn
+    tokens' rows are larger than the vocabulary's (a random model whose unused rows are zero), so is the noise.
+
+    >>> logit_noise_scale(torch.tensor([[[0.0, 2.0, float("-inf")]]]))
+    tensor([[1.]])
+    >>> lp = torch.tensor([[[0.0, -50.0, -50.0]]])  # all mass on a row with 3x the mean squared norm
+    >>> logit_noise_scale(lp, torch.tensor([3.0, 0.0, 0.0])) / logit_noise_scale(lp)
+    tensor([[3.]])
+    """
+    finite = torch.isfinite(logprobs_B_C_V)
+    count = finite.sum(-1).clamp(min=1)
+    zero = torch.zeros((), device=logprobs_B_C_V.device)
+    values = torch.where(finite, logprobs_B_C_V.float(), zero)
+    mean = values.sum(-1, keepdim=True) / count.unsqueeze(-1)
+    variance_B_C = torch.where(finite, (values - mean) ** 2, zero).sum(-1) / count
+    if head_row_norms_V is None:
+        return variance_B_C
+    norms_V = head_row_norms_V.to(device=values.device, dtype=torch.float32)
+    drawn_B_C = (logprobs_B_C_V.float().exp() @ norms_V) / norms_V.mean().clamp(min=torch.finfo(torch.float32).tiny)
+    return variance_B_C * drawn_B_C
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean over positions where mask is true. Uses `where`, not multiplication: masked values may be -inf."""
     zeroed = torch.where(mask, values, torch.zeros_like(values))

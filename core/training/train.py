@@ -16,9 +16,16 @@ second order in rounding noise and first order in a real difference. Measured (K
 1e-12 or less; bfloat16 rounding, in-process or vLLM, 1.2e-5 on the embedded model and about 3e-4 for a Qwen3-4B
 (cached decode against a full forward; mean |log-ratio| 0.02, max 0.08); misalignments on the embedded model in
 bfloat16: the first prompt id dropped 3.1e-3, the temperature not replayed 3.2e-2, the mask one token late 4.9.
-The default tolerance (`first_update_tolerance`) is 16 eps(dtype)^2: 9.8e-4 for bfloat16, between the two. The
-rounding noise grows with the square of the logits' scale and with depth: the same random Qwen3-4B with logits
-spread 5x wider (standard deviation 5) measured 3.7e-3 to 6.5e-3, above the default (bench/README.md, section 8).
+The rounding noise grows with the depth and with the square of the logits' scale: the same random Qwen3-4B with
+logits spread 5x wider (squared scale 25) measured 3.7e-3 to 8.2e-3; a random 8-layer, 512-wide Qwen3 3e-6 to
+3e-5 (squared scale 5). So the default tolerance (`first_update_tolerance`) is, in units of eps(dtype)^2, the number
+of decoder layers times the logits' squared scale at the trained tokens (`logit_noise_scale`: their variance over
+the vocabulary, reweighted to the LM-head rows the distribution draws), and at least 16 (9.8e-4 in bfloat16; in
+float32 at least 1e-6): the noise measured 0.001 to 0.15 of that, the misalignments above it (on the 8-layer model
+with squared scale 5: a first prompt id dropped 1.7e-2 against 2.7e-3; on the embedded model, 2 layers of squared
+scale 16.5 at temperature 0.7, 3.1e-3 against 2.0e-3; on the random Qwen3-4B the smallest, an unreplayed
+temperature, 0.11 against 5.4e-2). A misalignment cannot raise its own bound much: the scale is the trainer's
+logits', which a lost id barely moves and a forgotten temperature below 1 lowers.
 
 Engine-mismatch corrections, for a sampler that is another engine (`training.mismatch_correction`,
 `core/training/loss.py: mismatch_weights`): the denominator of the ratio is the trainer's own logprobs at the sampling
@@ -38,7 +45,7 @@ import torch
 
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.models.policy import Policy, span_logits
-from redteam_grpo.core.rollouts.logprobs import entropy, pad_ragged, token_logprobs
+from redteam_grpo.core.rollouts.logprobs import entropy, logit_noise_scale, pad_ragged, token_logprobs
 from redteam_grpo.core.training.batching import checkpointed_layers, micro_batches
 from redteam_grpo.core.training.distributed import DataParallel
 from redteam_grpo.core.training.loss import (
@@ -141,6 +148,7 @@ class UpdateStats:
 
     loss: float  # the first update's loss
     sampler_kl: float  # KL(sampler || trainer) by k3 on the first update's ratio: 0 when they agree; the checked one
+    sampler_kl_tolerance: float  # the largest sampler_kl the first update accepted (`first_update_tolerance`)
     ratio_mean: float
     ratio_std: float  # sample std (n - 1)
     ratio_max: float
@@ -168,24 +176,31 @@ def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
     )
 
 
-# The default first-update tolerance, in units of the compute dtype's machine epsilon squared, and its floor (see the
-# module docstring for the measurements it sits between).
+# The default first-update tolerance, in units of the compute dtype's machine epsilon squared: at least
+# KL_TOLERANCE_EPS2, and KL_TOLERANCE_PER_LAYER_SCALE per decoder layer and unit of the logits' squared scale; never
+# below the floor (see the module docstring for the measurements they sit between).
 KL_TOLERANCE_EPS2 = 16.0
+KL_TOLERANCE_PER_LAYER_SCALE = 1.0
 KL_TOLERANCE_FLOOR = 1e-6
 
 
-def first_update_tolerance(cfg: TrainingConfig, dtype: torch.dtype) -> float:
+def first_update_tolerance(cfg: TrainingConfig, dtype: torch.dtype, layers: int = 1, logit_scale: float = 0.0) -> float:
     """The largest KL(sampler || trainer) per token the first update accepts: the configured one, else derived
-    from the dtype the model computes in.
+    from the dtype the model computes in, its number of decoder layers and the squared scale of its logits (mean of
+    `logit_noise_scale` over the trained tokens), the two that the rounding noise grows with.
 
     >>> first_update_tolerance(TrainingConfig(), torch.bfloat16)
     0.0009765625
-    >>> first_update_tolerance(TrainingConfig(), torch.float32)
+    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, logit_scale=25.0)  # 900 eps^2
+    0.054931640625
+    >>> first_update_tolerance(TrainingConfig(), torch.float32, layers=36, logit_scale=25.0)
     1e-06
     """
     if cfg.first_update_kl_tolerance is not None:
         return cfg.first_update_kl_tolerance
-    return max(KL_TOLERANCE_EPS2 * torch.finfo(dtype).eps ** 2, KL_TOLERANCE_FLOOR)
+    eps2 = torch.finfo(dtype).eps ** 2
+    units = max(KL_TOLERANCE_EPS2, KL_TOLERANCE_PER_LAYER_SCALE * layers * logit_scale)
+    return max(units * eps2, KL_TOLERANCE_FLOOR)
 
 
 def informative_rows(group_ids: Sequence[str], advantages: Sequence[float]) -> tuple[list[int], int]:
@@ -268,6 +283,7 @@ class FirstUpdateDiagnostics:
 
     sampler: LossStats = field(default_factory=LossStats)
     entropy_sum: float = 0.0
+    logit_scale_sum: float = 0.0  # of logit_noise_scale over the trained tokens
     mismatch_sum: float = 0.0
     mismatch_max: float = 0.0
     mismatch_over: int = 0
@@ -280,9 +296,11 @@ class FirstUpdateDiagnostics:
         loss_stats: LossStats | None,
         corrected_B_C: torch.Tensor | None,
         mismatch_threshold: float,
+        head_row_norms_V: torch.Tensor | None = None,
     ) -> None:
         """One micro-batch. `loss_stats`: the loss's own statistics when its ratio is against the sampler (no
-        correction); with a correction the loss's denominator is the trainer's, so the ratio is computed here."""
+        correction); with a correction the loss's denominator is the trainer's, so the ratio is computed here.
+        `head_row_norms_V`: the LM head's squared row norms (`Policy.head_row_norms`), for the logits' noise scale."""
         mask_B_C = forward.mask_B_C
         logprobs_B_C = forward.logprobs_B_C.detach()
         self.sampler = self.sampler + (
@@ -294,19 +312,29 @@ class FirstUpdateDiagnostics:
         self.mismatch_over += int((mismatch_B_C > mismatch_threshold).sum())
         entropy_B_C = entropy(forward.logprobs_B_C_V.detach())
         self.entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
+        scale_B_C = logit_noise_scale(forward.logprobs_B_C_V.detach(), head_row_norms_V)
+        self.logit_scale_sum += float(torch.where(mask_B_C, scale_B_C, torch.zeros_like(scale_B_C)).sum())
         if corrected_B_C is not None:
             self.corrected_tokens += int(corrected_B_C.sum())
             self.corrected_sequences += int(corrected_B_C.any(-1).sum())
 
     def all_reduced(self, dp: DataParallel) -> FirstUpdateDiagnostics:
         """Summed over the process group (the maximum of the largest mismatch)."""
-        entropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = dp.sum(
-            [self.entropy_sum, self.mismatch_sum, self.mismatch_over, self.corrected_tokens, self.corrected_sequences]
+        entropy_sum, scale_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = dp.sum(
+            [
+                self.entropy_sum,
+                self.logit_scale_sum,
+                self.mismatch_sum,
+                self.mismatch_over,
+                self.corrected_tokens,
+                self.corrected_sequences,
+            ]
         )
         (mismatch_max,) = dp.max([self.mismatch_max])
         return FirstUpdateDiagnostics(
             _all_reduced(self.sampler, dp),
             entropy_sum,
+            scale_sum,
             mismatch_sum,
             mismatch_max,
             int(mismatch_over),
@@ -314,12 +342,22 @@ class FirstUpdateDiagnostics:
             int(corrected_sequences),
         )
 
-    def check(self, tolerance: float, dtype: torch.dtype) -> None:
+    @property
+    def logit_scale(self) -> float:
+        """The mean of `logit_noise_scale` over the trained tokens."""
+        return self.logit_scale_sum / max(self.sampler.n_tokens, 1)
+
+    def tolerance(self, cfg: TrainingConfig, dtype: torch.dtype, layers: int) -> float:
+        """`first_update_tolerance` for this batch."""
+        return first_update_tolerance(cfg, dtype, layers, self.logit_scale)
+
+    def check(self, tolerance: float, dtype: torch.dtype, layers: int) -> None:
         """Refuse the batch when the trainer does not see the distribution the tokens were sampled from."""
         if not self.sampler.kl <= tolerance:  # NaN too
             raise RatioCheckError(
                 f"first update: the trainer's logprobs differ from the sampler's by KL {self.sampler.kl:.2e} "
-                f"per token (tolerance {tolerance:.1e} for {str(dtype).removeprefix('torch.')}; "
+                f"per token (tolerance {tolerance:.1e} for {str(dtype).removeprefix('torch.')}, {layers} layers, "
+                f"logit scale² {self.logit_scale:.2g}; "
                 f"mean |ratio - 1| {self.sampler.ratio_abs_dev:.2e}, largest |log-ratio| {self.mismatch_max:.2f}): "
                 "the trainer does not see the distribution the tokens were sampled from (a misaligned mask, "
                 "an unreplayed temperature or token suppression, other ids). The batch was not trained on. "
@@ -328,12 +366,20 @@ class FirstUpdateDiagnostics:
             )
 
     def row(
-        self, loss: float, clip_fraction: float, grad_norm: float, n_tokens: int, n_sequences: int, corrected: bool
+        self,
+        loss: float,
+        tolerance: float,
+        clip_fraction: float,
+        grad_norm: float,
+        n_tokens: int,
+        n_sequences: int,
+        corrected: bool,
     ) -> dict[str, float]:
         """The first update's part of `UpdateStats`."""
         return {
             "loss": loss,
             "sampler_kl": self.sampler.kl,
+            "sampler_kl_tolerance": tolerance,
             "ratio_mean": self.sampler.ratio_mean,
             "ratio_std": self.sampler.ratio_std,
             "ratio_max": self.sampler.ratio_max,
@@ -376,13 +422,32 @@ def policy_gradient_step(
     if not rows:  # nothing to learn from: no step (Adam's state and step count are left alone)
         nan = math.nan
         return UpdateStats(
-            0.0, nan, nan, nan, nan, nan, nan, 0.0, nan, 0.0, 0.0, float(n_dropped_groups), nan, nan, nan, nan, nan, nan
+            0.0,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            0.0,
+            nan,
+            0.0,
+            0.0,
+            float(n_dropped_groups),
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
+            nan,
         )
 
     compute_loss = loss_function(cfg)
     correction = cfg.correction(batch.sampler)
     low, high = cfg.mismatch_bounds
-    tolerance = first_update_tolerance(cfg, policy.compute_dtype)
+    layers = policy.decoder_layers
+    head_row_norms_V = policy.head_row_norms()
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
     batches = micro_batches(rows, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)
     if data_parallel is not None:
@@ -420,7 +485,7 @@ def policy_gradient_step(
                 stats = stats + mb_stats
                 if diagnostics is not None:
                     own_ratio = mb_stats if correction == "none" else None  # the loss's ratio is the sampler's
-                    diagnostics.add(forward, own_ratio, corrected_B_C, cfg.logprob_mismatch_threshold)
+                    diagnostics.add(forward, own_ratio, corrected_B_C, cfg.logprob_mismatch_threshold, head_row_norms_V)
             if data_parallel is not None:  # one step of the whole batch, in every process
                 data_parallel.sum_gradients(params)
                 (loss_total,) = data_parallel.sum([loss_total])
@@ -429,9 +494,10 @@ def policy_gradient_step(
                     diagnostics = diagnostics.all_reduced(data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if diagnostics is not None:
-                diagnostics.check(tolerance, policy.compute_dtype)
+                tolerance = diagnostics.tolerance(cfg, policy.compute_dtype, layers)
+                diagnostics.check(tolerance, policy.compute_dtype, layers)
                 first = diagnostics.row(
-                    loss_total, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
+                    loss_total, tolerance, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
                 )
             if not math.isfinite(grad_norm):
                 raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")

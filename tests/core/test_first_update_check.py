@@ -128,8 +128,37 @@ def test_each_misalignment_is_refused_in_bfloat16_at_the_default_tolerance(embed
     assert all(torch.equal(before[k], v) for k, v in policy.adapter_state().items())  # nothing was applied
 
 
-def test_the_default_tolerance_follows_the_compute_dtype_and_a_set_one_wins():
+def test_the_default_tolerance_follows_the_compute_dtype_depth_and_logit_scale_and_a_set_one_wins():
+    eps2 = 2.0**-14  # bfloat16
     assert first_update_tolerance(TrainingConfig(), torch.float32) == 1e-6
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16) == pytest.approx(16 * 2.0**-14)  # 16 eps^2
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16) == pytest.approx(16 * eps2)
     assert first_update_tolerance(TrainingConfig(), torch.float16) == pytest.approx(16 * 2.0**-20)
-    assert first_update_tolerance(TrainingConfig(first_update_kl_tolerance=0.5), torch.float32) == 0.5
+    # a shallow model or flat logits: the dtype's bound; a deep one with spread logits: one eps^2 per layer and unit
+    # of variance (a random Qwen3-4B with logits of standard deviation 5 measured 6.5e-3 against this 5.5e-2)
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=8, logit_scale=1.0) == 16 * eps2
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, logit_scale=1.0) == 36 * eps2
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, logit_scale=25.0) == 900 * eps2
+    assert first_update_tolerance(TrainingConfig(), torch.float32, layers=36, logit_scale=25.0) == 1e-6
+    set_one = TrainingConfig(first_update_kl_tolerance=0.5)
+    assert first_update_tolerance(set_one, torch.float32) == 0.5
+    assert first_update_tolerance(set_one, torch.bfloat16, layers=36, logit_scale=25.0) == 0.5
+
+
+def test_the_tolerance_grows_with_a_deep_models_spread_logits_and_still_refuses_a_misalignment(wide_bfloat16_folder):
+    policy = load_policy(ModelConfig(policy=str(wide_bfloat16_folder), dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
+    with torch.no_grad():  # tied: the logits spread 5x (squared scale about 5 at this width)
+        policy.model.get_input_embeddings().weight.mul_(5.0)
+    batch = _sampled_batch(policy)
+    cfg = TrainingConfig()
+    before = {k: v.clone() for k, v in policy.adapter_state().items()}
+    correct = step(policy, make_optimizer(policy, cfg), batch, cfg)
+    layers = policy.decoder_layers
+    assert layers == 8
+    # the bound the step used is the depth times the logits' squared scale, above the dtype's 16 eps^2
+    logit_scale = correct.sampler_kl_tolerance / (layers * torch.finfo(torch.bfloat16).eps ** 2)
+    assert 2.0 < logit_scale < 20.0
+    assert correct.sampler_kl_tolerance > first_update_tolerance(cfg, torch.bfloat16)
+    assert correct.sampler_kl < correct.sampler_kl_tolerance / 10
+    policy.load_adapter_state(before)
+    with pytest.raises(RatioCheckError, match="8 layers, logit scale"):
+        step(policy, make_optimizer(policy, cfg), _drop_the_first_prompt_id(policy, batch), cfg)

@@ -125,6 +125,7 @@ def test_update_stats_has_exactly_the_documented_float_fields(tiny_policy):
     names = [
         "loss",
         "sampler_kl",
+        "sampler_kl_tolerance",
         "ratio_mean",
         "ratio_std",
         "ratio_max",
