@@ -15,8 +15,9 @@ it where it helps: the CPU, a 16-bit dtype, and no AVX-512 (`needs_fast_backward
 
 `contiguous_head_input`: `generate`'s first step feeds the LM head the last position sliced out of the prompt's
 hidden states, [B, 1, H] with the prompt's strides. PyTorch's CPU `linear` cannot fold such an input into one
-matrix product and multiplies it batch-wise with the weight expanded and copied per row: measured, 8 rows through
-Qwen3-4B's head (151,936 x 2,560, bfloat16) copied 6.2 GB, most of a sample stage's peak memory. A contiguous
+matrix product and multiplies it batch-wise with the weight expanded and copied per row: measured on a Xeon with
+AVX-512 (torch 2.13), 8 rows through Qwen3-4B's head (151,936 x 2,560, bfloat16) copied 6.2 GB, most of a sample
+stage's peak memory (an AVX2 EPYC's sample stage showed no such copy). A contiguous
 input (a copy of B x H values) gives the same logits, bit for bit, with no copy of the weight.
 """
 
