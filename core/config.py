@@ -22,7 +22,10 @@ from redteam_grpo.core.training.rewards import RewardWeights
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan=False: a setting of inf or nan (a learning rate of .inf) is refused like any other bad value.
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
 
 class ModelConfig(_Section):
@@ -98,8 +101,9 @@ CORRECTION_BOUNDS: dict[str, tuple[float | None, float | None]] = {
 
 
 class TrainingConfig(_Section):
-    learning_rate: float = Field(3e-3, gt=0.0)
-    """AdamW learning rate (LoRA parameters only)."""
+    learning_rate: float = Field(3e-3, gt=0.0, le=1.0)
+    """AdamW learning rate (LoRA parameters only). At most 1: Adam moves each weight by about the learning rate per
+    step, and a LoRA weight is of order 0.01."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)

@@ -37,6 +37,15 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
 
 
 def save_adapter(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """The adapter's weights; refused, with nothing written, when any is NaN or infinite: a checkpoint is what a
+    resume, `infer` and `evaluate` trust."""
+    bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]
+    if bad:
+        raise CheckpointError(
+            f"not writing {path}: {len(bad)} of the adapter's {len(state)} tensors hold NaN or infinite values "
+            f"({bad[0]}, ...). The update that made them should have been refused; lower training.learning_rate "
+            "and resume the run from its last checkpoint."
+        )
     save_tensors(path, state)
 
 

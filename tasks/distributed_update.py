@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from redteam_grpo.core.training.train import RatioCheckError, UpdateStats
+from redteam_grpo.core.training.train import NonFiniteUpdateError, RatioCheckError, UpdateStats
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.location import absolute
 from redteam_grpo.storage.rundir import DamagedRunError, RunDir, RunDirError
@@ -45,7 +45,16 @@ def _reraised() -> dict[str, type[Exception]]:
     from redteam_grpo.storage.schemas import SchemaError
     from redteam_grpo.tasks.train_step import JoinError
 
-    errors = (RatioCheckError, DamagedRunError, RunDirError, CheckpointError, PolicyError, SchemaError, JoinError)
+    errors = (
+        RatioCheckError,
+        NonFiniteUpdateError,
+        DamagedRunError,
+        RunDirError,
+        CheckpointError,
+        PolicyError,
+        SchemaError,
+        JoinError,
+    )
     return {error.__name__: error for error in errors}
 
 

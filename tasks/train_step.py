@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.metrics.registry import iteration_metrics
 from redteam_grpo.core.rollouts.diagnostics import health_warnings
 from redteam_grpo.core.rollouts.dialogue import policy_rows
-from redteam_grpo.core.training.train import TrainBatch, UpdateStats, policy_gradient_step
+from redteam_grpo.core.training.train import NonFiniteUpdateError, TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK_TRAIN_STEP, ATTACKER_LEARNER, POLICY, TRAIN_STEP, Learner, Stage
@@ -82,7 +82,11 @@ def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_p
     batch = train_batch(res.run, learner, iteration, learner.max_new_tokens(cfg), cfg.sampling.backend)
     res.ensure_role(learner.role, iteration - 1)  # self-play: the defender may already hold this iteration's update
     with res.policy.role(learner.role):
-        return policy_gradient_step(res.policy, res.optimizer_for(learner.role), batch, cfg.training, data_parallel)
+        try:
+            return policy_gradient_step(res.policy, res.optimizer_for(learner.role), batch, cfg.training, data_parallel)
+        except NonFiniteUpdateError:
+            res.holds(learner.role, None)  # the step changed the weights in memory: the next stage reloads them
+            raise
 
 
 def save_update(res: RunResources, learner: Learner, weights: list[Path]) -> None:

@@ -326,6 +326,20 @@ BUG_CLASSES = [
         "tests/core/test_first_update_check.py::test_each_misalignment_is_refused_in_bfloat16_at_the_default_tolerance",
     ),
     (
+        "non-finite-update-applied",
+        "core/training/train.py",
+        "            _require_finite_weights(params, update)\n",
+        "            pass\n",
+        "tests/core/test_train.py::test_an_update_that_would_make_the_weights_non_finite_stops_with_the_way_out",
+    ),
+    (
+        "non-finite-adapter-checkpointed",
+        "storage/checkpoints.py",
+        "    bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]\n",
+        "    bad = []\n",
+        "tests/storage/test_atomic_and_checkpoints.py::test_an_adapter_with_non_finite_values_is_never_written_and_the_old_file_stays",
+    ),
+    (
         "first-update-tolerance-blind-to-depth",
         "core/training/train.py",
         "units = max(KL_TOLERANCE_EPS2, KL_TOLERANCE_PER_LAYER_SCALE * layers * logit_scale)",

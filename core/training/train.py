@@ -67,6 +67,27 @@ class RatioCheckError(RuntimeError):
     """The first update's importance ratio is not 1: sampler and trainer disagree on the distribution."""
 
 
+class NonFiniteUpdateError(RuntimeError):
+    """An update's loss, gradient or new weights are not finite: the run stops before anything is checkpointed."""
+
+
+_NON_FINITE_WAY_OUT = (
+    "Nothing of this batch was checkpointed: lower training.learning_rate or set training.grad_clip, then resume "
+    "the run (`redteam-grpo run --resume RUN_DIR`); it restarts from the last checkpoint."
+)
+
+
+def _require_finite_weights(params: Sequence[torch.Tensor], update: int) -> None:
+    """Every trainable value finite after an optimizer step; else the step made the policy garbage."""
+    bad = sum(int((~torch.isfinite(p.detach())).sum()) for p in params)
+    if bad:
+        total = sum(p.numel() for p in params)
+        raise NonFiniteUpdateError(
+            f"update {update} of the batch made {bad:,} of the adapter's {total:,} values NaN or infinite. "
+            + _NON_FINITE_WAY_OUT
+        )
+
+
 @dataclass(frozen=True)
 class TrainBatch:
     prompt_ids: Sequence[Sequence[int]]
@@ -499,9 +520,13 @@ def policy_gradient_step(
                 first = diagnostics.row(
                     loss_total, tolerance, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
                 )
-            if not math.isfinite(grad_norm):
-                raise RuntimeError(f"non-finite gradient norm ({grad_norm}) on update {update}: the step was not taken")
+            if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
+                raise NonFiniteUpdateError(
+                    f"update {update} of the batch has a non-finite loss ({loss_total}) or gradient norm "
+                    f"({grad_norm}); the step was not taken. " + _NON_FINITE_WAY_OUT
+                )
             optimizer.step()
+            _require_finite_weights(params, update)
     if data_parallel is not None:
         data_parallel.check_same_weights(params)
     return UpdateStats(

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import yaml
@@ -147,3 +148,17 @@ def test_loss_settings_that_cannot_work_are_named_with_the_way_out(overrides, na
 def test_the_replaced_clip_epsilon_is_refused_naming_the_ppo_clip_settings():
     with pytest.raises(ConfigError, match=r"training\.clip_epsilon: replaced by training\.loss=ppo_clip"):
         load_config(None, ["training.clip_epsilon=0.2"])
+
+
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ("training.learning_rate=.inf", "Input should be a finite number"),
+        ("training.learning_rate=nan", "Input should be a finite number"),
+        ("reward.kl_weight=inf", "Input should be a finite number"),
+        ("training.learning_rate=30", "Input should be less than or equal to 1"),
+    ],
+)
+def test_a_non_finite_or_absurd_setting_is_refused_naming_it(setting, named):
+    with pytest.raises(ConfigError, match=rf"{re.escape(setting.split('=')[0])}: {named}"):
+        load_config(None, [setting])

@@ -14,6 +14,7 @@ from redteam_grpo.core.rollouts.logprobs import token_logprobs
 from redteam_grpo.core.rollouts.sampling import sample_completions
 from redteam_grpo.core.training.loss import gspo_loss, importance_sampling_loss, ppo_clip_loss
 from redteam_grpo.core.training.train import (
+    NonFiniteUpdateError,
     TrainBatch,
     UpdateStats,
     informative_rows,
@@ -388,3 +389,25 @@ def test_a_batch_with_nothing_to_learn_takes_no_step(tiny_policy):
     assert math.isnan(stats.ratio_mean) and stats.loss == 0.0
     after = tiny_policy.adapter_state()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("how", ["learning_rate", "loss"])
+def test_an_update_that_would_make_the_weights_non_finite_stops_with_the_way_out(tiny_policy, how):
+    """A learning rate of inf (the config refuses it; an optimizer can still be given one) or a NaN advantage:
+    the step is refused naming the update and the way out, before any weight could be checkpointed."""
+    cfg = TrainingConfig(learning_rate=1e-2)
+    optimizer = make_optimizer(tiny_policy, cfg)
+    batch = _batch(tiny_policy)
+    if how == "learning_rate":
+        for group in optimizer.param_groups:
+            group["lr"] = math.inf
+    else:
+        batch = dataclasses.replace(batch, advantages=[math.nan] * len(batch.advantages))
+    before = {k: v.clone() for k, v in tiny_policy.adapter_state().items()}
+    try:
+        with pytest.raises(NonFiniteUpdateError, match=r"update 0 of the batch .*lower training\.learning_rate"):
+            policy_gradient_step(tiny_policy, optimizer, batch, cfg)
+        if how == "loss":  # refused before the step: the weights are untouched
+            assert all(torch.equal(before[k], v) for k, v in tiny_policy.adapter_state().items())
+    finally:
+        tiny_policy.load_adapter_state(before)

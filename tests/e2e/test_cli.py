@@ -59,6 +59,14 @@ def test_mistyped_key_fails_before_any_work(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_non_finite_learning_rate_is_refused_before_any_work(tmp_path):
+    out = _cli("run", "--set", "training.learning_rate=.inf", "--set", f"run.runs_dir={tmp_path}")
+    assert out.returncode == 2
+    assert "training.learning_rate: Input should be a finite number" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 _RESUME = "continue it with: redteam-grpo run --resume"
 
 

@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import TMP_PREFIX, write_atomic, write_json_atomic
@@ -131,3 +132,13 @@ def test_manifest_detects_missing_and_corrupt_files(tmp_path):
     (tmp_path / checkpoints.ADAPTER_FILE).write_bytes(bytes(data))
     with pytest.raises(checkpoints.CheckpointError, match="does not match its checksum"):
         checkpoints.read_manifest(tmp_path)
+
+
+def test_an_adapter_with_non_finite_values_is_never_written_and_the_old_file_stays(tmp_path):
+    path = tmp_path / checkpoints.ADAPTER_FILE
+    checkpoints.save_adapter(path, {"w": torch.ones(2)})
+    for bad in (torch.tensor([1.0, float("nan")]), torch.tensor([float("inf"), 0.0])):
+        with pytest.raises(checkpoints.CheckpointError, match=r"NaN or infinite values \(w, \.\.\.\).*learning_rate"):
+            checkpoints.save_adapter(path, {"w": bad})
+    assert torch.equal(load_file(path)["w"], torch.ones(2))  # the last good adapter is left as it was
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
