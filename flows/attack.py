@@ -41,7 +41,7 @@ from redteam_grpo.core.config import (
 )
 from redteam_grpo.core.data.sources import Prompt, check_prompt_lengths, load_prompts
 from redteam_grpo.core.models.chat import format_prompt_ids
-from redteam_grpo.core.models.policy import load_tokenizer
+from redteam_grpo.core.models.policy import check_model_available, load_tokenizer
 from redteam_grpo.core.training.stopping import early_stop
 from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_runner, ray_session
 from redteam_grpo.storage import interrupts, ownership
@@ -53,11 +53,29 @@ from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import forget
 
 
+def models_in_use(cfg: Config) -> list[tuple[str, str]]:
+    """(setting, model name) of every model a run of this config loads."""
+    from redteam_grpo.core.scoring.novelty import PACKAGED_MINILM
+
+    mode = mode_of(cfg)
+    models = [("model.policy", cfg.model.policy)]
+    if mode.data != "pairs":  # SFT scores nothing
+        models.append(("reward.scorer", cfg.reward.scorer))
+        if cfg.reward.refusal_classifier is not None:
+            models.append(("reward.refusal_classifier", cfg.reward.refusal_classifier))
+    if mode.attacker and cfg.defense.self_play and cfg.reward.embedder != PACKAGED_MINILM:
+        models.append(("reward.embedder", cfg.reward.embedder))
+    return models
+
+
 def check_inputs(cfg: Config) -> None:
-    """Every check of the data a run will read: the prompt source loads and every prompt fits
+    """Every check of what a run will read, before any model loads: each model it names can be loaded (a folder,
+    or a hub id in the local cache when offline), the prompt source loads and every prompt fits
     model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later). With an
     attacker (defense) the prompts are its goals, formatted with its system prompt; SFT's data are pairs, of which
     the inputs are checked."""
+    for setting, name in models_in_use(cfg):
+        check_model_available(setting, name, cfg.model.revision if setting == "model.policy" else None)
     mode = mode_of(cfg)
     if mode.data == "pairs":
         from redteam_grpo.tasks.sft import training_pairs

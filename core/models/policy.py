@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,36 @@ def resolve_model_name(name: str) -> str:
     from redteam_grpo.embedded import is_embedded, resolve_model_path
 
     return resolve_model_path(name) if is_embedded(name) else name
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def check_model_available(setting: str, name: str, revision: str | None = None) -> None:
+    """Before any model loads: `name` (the value of `setting`) is an embedded model, an existing folder, or a hub id
+    that can be loaded: online, or in the local Hugging Face cache. Otherwise one PolicyError naming the setting,
+    the model and the way out, where transformers would raise a page of traceback after other models loaded."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    from redteam_grpo.embedded import is_embedded
+
+    if is_embedded(name) or Path(name).expanduser().exists():
+        return
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except HFValidationError:
+        raise PolicyError(
+            f"{setting}={name}: no such folder, and not a Hugging Face hub id (owner/name). Give the folder of a "
+            "saved model, or a hub id."
+        ) from None
+    if _offline() and not isinstance(cached, str):
+        raise PolicyError(
+            f"{setting}={name}: not a folder, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"runs are offline by default. Download it first (`huggingface-cli download {name}`), set "
+            "run.offline=false to let the run download it, or give the folder of a saved model."
+        )
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:

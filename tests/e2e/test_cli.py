@@ -67,6 +67,23 @@ def test_a_non_finite_learning_rate_is_refused_before_any_work(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ("model.policy=/no/such/dir", "model.policy=/no/such/dir: no such folder"),
+        ("model.policy=Qwen/Qwen3-4B-Instruct-2507", "not in the local Hugging Face cache"),
+        ("reward.scorer=no-such-owner-0/no-such-scorer", "reward.scorer=no-such-owner-0/no-such-scorer: not a folder"),
+    ],
+)
+def test_a_model_that_cannot_load_offline_is_one_line_before_any_work(tmp_path, setting, named):
+    out = _cli("run", "--set", setting, "--set", f"run.runs_dir={tmp_path}")
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and named in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr + out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 _RESUME = "continue it with: redteam-grpo run --resume"
 
 
