@@ -8,6 +8,7 @@ error this module does not know: that is a bug, and the traceback is what a bug 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
@@ -104,6 +105,27 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
     return None
 
 
+# How the project's messages name a run they cannot know (core and the reward client see no run folder); the CLI,
+# which knows it, puts the real command in their place.
+_RESUME_PLACEHOLDERS = ("redteam-grpo run --resume RUN_DIR", "redteam-grpo run --resume RUN")
+
+
+def with_run_path(message: str, root: Any) -> str:
+    """`message` with its placeholder resume command replaced by the real one for the run in `root`."""
+    from redteam_grpo.storage.rundir import command_for
+
+    command = f"redteam-grpo {command_for(root)} --resume {root}"
+    for placeholder in _RESUME_PLACEHOLDERS:  # RUN_DIR first: RUN is its prefix
+        message = message.replace(placeholder, command)
+    return message
+
+
+def name_the_run(exc: BaseException, root: Any) -> None:
+    """Record on `exc` the run it stopped, for `user_errors` to name in the way out."""
+    with contextlib.suppress(AttributeError):  # a type without a __dict__: the placeholder stays
+        exc.run_root = root  # type: ignore[attr-defined]
+
+
 def user_errors(command: F) -> F:
     """Wrap a CLI command: known errors become one `error:` line (a traceback too with `verbose=True`)."""
 
@@ -124,6 +146,8 @@ def user_errors(command: F) -> F:
             if kwargs.get("verbose"):
                 console.print_exception()
             message, code = explained
+            if getattr(exc, "run_root", None) is not None:
+                message = with_run_path(message, exc.run_root)
             console.print(f"[red]error:[/red] {escape(message)}", highlight=False)
             raise typer.Exit(code) from None
 

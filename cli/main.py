@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
-from redteam_grpo.cli.errors import options_from_flags, user_errors
+from redteam_grpo.cli.errors import name_the_run, options_from_flags, user_errors
 from redteam_grpo.storage.location import location
 
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
@@ -147,6 +147,9 @@ def _train(
     stop.install()
     try:
         run_dir, metrics_rows = _run_with_progress(cfg, resume, redo, stop, mode)
+    except Exception as exc:
+        name_the_run(exc, stop.root)  # a message's `--resume RUN_DIR` becomes this run's folder
+        raise
     finally:
         stop.uninstall()
     if mode == "sft":

@@ -38,3 +38,33 @@ def test_project_errors_pass_through_and_bugs_keep_their_traceback():
 
     with pytest.raises(ZeroDivisionError):
         buggy()
+
+
+def test_a_way_out_that_names_a_placeholder_run_names_the_run_that_stopped(tmp_path, monkeypatch):
+    """The reward client and the trainer cannot know the run's folder; the CLI puts it in their resume command."""
+    import io
+
+    from rich.console import Console
+
+    from redteam_grpo.cli import main
+    from redteam_grpo.cli.errors import name_the_run
+    from redteam_grpo.server.client import RewardServiceError
+
+    printed = io.StringIO()
+    monkeypatch.setattr(main, "console", Console(file=printed, width=1000))
+
+    root = tmp_path / "runs" / "r1"
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"run": {"mode": "defense"}}')
+
+    @user_errors
+    def command(verbose: bool = False):
+        exc = RewardServiceError("the reward server failed 2 times (`redteam-grpo run --resume RUN_DIR`)")
+        name_the_run(exc, root)
+        raise exc
+
+    with pytest.raises(typer.Exit) as exit_info:
+        command()
+    assert exit_info.value.exit_code == 1
+    out = printed.getvalue()
+    assert f"(`redteam-grpo defense --resume {root}`)" in out and "RUN_DIR" not in out
