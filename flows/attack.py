@@ -121,13 +121,14 @@ def owned_run(
             removed = run.remove_temporary_files()
             if removed:
                 log.info("run %s: removed %d temporary files left by interrupted writes", run.run_id, removed)
-            run.check_resume_config(config, RESUMABLE_CHANGES)
+            resumed = run.check_resume_config(config, RESUMABLE_CHANGES)
             if redo is not None:
                 redo_from = parse_redo(redo)
                 run.check_redo(*redo_from)
                 dropped = run.forget_from(*redo_from)
                 log.warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
             run.verify_all()
+            run.store_resumed_config(resumed)  # only now: a refused resume changes nothing on disk
         lineage = run.stored_config().run.lineage
         if lineage is not None:
             record = read_lineage(run)

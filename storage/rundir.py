@@ -375,7 +375,8 @@ class RunDir:
             raise RunDirError(f"{self.config_path} is not a valid config: {exc}") from None
 
     def check_resume_config(self, requested: Config | None, allowed_prefixes: tuple[str, ...]) -> Config:
-        """The config to resume with: the stored one, or `requested` if it differs only in allowed fields."""
+        """The config to resume with: the stored one, or `requested` if it differs only in allowed fields. Nothing is
+        written: `store_resumed_config` does, once every other check of the resume has passed."""
         stored = self.stored_config()
         if requested is None:
             return stored
@@ -392,9 +393,12 @@ class RunDir:
                 f"the config differs from the one {self.run_id} was started with in: {', '.join(refused)}. "
                 f"Resume without --config/--set (or change only {', '.join(allowed_prefixes)}), or start a new run."
             )
-        if differing:
-            write_json_atomic(self.config_path, requested.model_dump(mode="json"))
-        return requested
+        return requested if differing else stored
+
+    def store_resumed_config(self, resumed: Config) -> None:
+        """Record the config a resume runs with (`check_resume_config`), if it differs from the stored one."""
+        if config_differences(self.stored_config(), resumed):
+            write_json_atomic(self.config_path, resumed.model_dump(mode="json"))
 
     # -- manifest ------------------------------------------------------------------------------------------
 

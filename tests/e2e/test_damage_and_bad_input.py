@@ -75,6 +75,7 @@ def test_a_truncated_adapter_stops_a_resume_naming_the_file(copy):
 def test_a_deleted_rollouts_file_is_named_by_every_reader_and_by_resume(copy):
     rollouts = copy.path(SAMPLE, 0)
     rollouts.unlink()
+    config_before = copy.config_path.read_bytes()
     for args in (
         ("inspect", copy.root, "--sql", "select count(*) from rollouts"),
         ("report", copy.root),
@@ -84,6 +85,8 @@ def test_a_deleted_rollouts_file_is_named_by_every_reader_and_by_resume(copy):
     ):
         code, out = _cli(*args)
         _one_error_line(code, out, str(rollouts), "is missing", "--redo 0/sample")
+    # a refused resume changes nothing on disk: the suggested --redo must run to the iterations the run had
+    assert copy.config_path.read_bytes() == config_before
 
 
 def test_a_truncated_scores_file_is_named_by_readers_and_resume(copy):
