@@ -95,6 +95,9 @@ def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -
     return out
 
 
+CLI_SETS = ("heldout_goals", "prompt_file", "benign", "retention")  # the defense options `evaluate` has flags for
+
+
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>-<settings>.parquet (one file
@@ -107,6 +110,13 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         raise EvaluationError(
             f"{run.run_id} is an SFT run: its held-out loss is in sft_metrics.parquet (redteam-grpo inspect); "
             "evaluate the defense run that uses it as its attacker"
+        )
+    ignored = options.defense_options_set()
+    if ignored:
+        flags = ", ".join(f"--{n.replace('_', '-')}" if n in CLI_SETS else n for n in ignored)
+        raise EvaluationError(
+            f"{flags}: for defense runs only; {run.run_id} is a red-team run, evaluated on prompts it did not train "
+            "on (its data.source). Leave them out."
         )
     iteration = choose_checkpoint(run, iteration)
     name = checkpoint_name(iteration)

@@ -156,6 +156,9 @@ def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir
         assert float(rows[policy][1]) == pytest.approx(frame[frame.policy == policy].success.mean(), abs=1e-4)
     code, out = _cli("evaluate", run_dir, "--iteration", "7")
     assert code == 2 and "iter_0007 is not a complete checkpoint" in out and "completed checkpoints: [0, 1]" in out
+    # the defense sets do not apply to a red-team run: refused by name, as a defense run refuses a bad one
+    code, out = _cli("evaluate", run_dir, "--prompt-file", "x?subset=")
+    assert code == 2 and "--prompt-file: for defense runs only" in out and "Traceback" not in out, out
 
 
 def test_list_columns_are_json_in_csv(run_dir, tmp_path):
