@@ -541,15 +541,17 @@ class RunDir:
         """Iterations whose checkpoint is sealed."""
         return self.recorded_iterations(CHECKPOINT)
 
+    def checkpoint_intact(self, iteration: int) -> bool:
+        """Whether iteration's checkpoint verifies (its manifest and every file's checksum)."""
+        try:
+            checkpoints.read_manifest(self.checkpoint_dir(iteration))
+        except checkpoints.CheckpointError:
+            return False
+        return True
+
     def newest_checkpoint(self) -> int | None:
         """The newest iteration whose checkpoint is sealed and intact; None if there is none."""
-        for iteration in reversed(self.completed_iterations()):
-            try:
-                checkpoints.read_manifest(self.checkpoint_dir(iteration))
-            except checkpoints.CheckpointError:
-                continue
-            return iteration
-        return None
+        return next((i for i in reversed(self.completed_iterations()) if self.checkpoint_intact(i)), None)
 
     def checkpoint_to_use(self, iteration: int | None) -> int:
         """`iteration` (default: the newest sealed one) after checking that its checkpoint is intact."""
@@ -561,5 +563,11 @@ class RunDir:
         try:
             checkpoints.read_manifest(self.checkpoint_dir(iteration))
         except checkpoints.CheckpointError as exc:
-            raise RunDirError(f"{exc}; completed checkpoints: {done}") from None
+            intact = [i for i in done if self.checkpoint_intact(i)]
+            way_out = "choose one (`evaluate --iteration N`, `infer --checkpoint N`)"
+            damaged = [i for i in done if i not in intact]
+            if damaged:
+                redo = f"redteam-grpo {command_for(self.root)} --resume {self.root} --redo {damaged[0]}/train_step"
+                way_out += f"; damaged: {damaged}, each rewritten from the one before by `{redo}`"
+            raise RunDirError(f"{exc}; completed checkpoints: {intact}: {way_out}") from None
         return iteration

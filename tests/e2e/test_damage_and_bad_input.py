@@ -65,6 +65,20 @@ def test_flipped_bytes_in_the_last_adapter_stop_a_resume_before_any_training(cop
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_a_damaged_newest_adapter_is_left_out_of_the_checkpoints_offered_with_the_way_to_rewrite_it(copy):
+    adapter = copy.checkpoint_dir(1) / checkpoints.ADAPTER_FILE
+    damaged = bytearray(adapter.read_bytes())
+    damaged[-16] ^= 0xFF
+    adapter.write_bytes(bytes(damaged))
+    for args in (
+        ("infer", "--run", copy.root, "--prompt", "hi", "--max-new-tokens", "2"),
+        ("evaluate", copy.root, "--prompts", "1", "--samples", "1"),
+    ):
+        code, out = _cli(*args)
+        line = _one_error_line(code, out, str(adapter), "completed checkpoints: [0]:", "infer --checkpoint N")
+        assert f"--resume {copy.root} --redo 1/train_step" in line, line
+
+
 def test_a_truncated_adapter_stops_a_resume_naming_the_file(copy):
     adapter = copy.checkpoint_dir(1) / checkpoints.ADAPTER_FILE
     adapter.write_bytes(adapter.read_bytes()[:100])
