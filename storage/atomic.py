@@ -9,6 +9,7 @@ and moved into place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -64,9 +65,22 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+# How libraries that do their own I/O (safetensors, in Rust) word a full disk in the errors they raise.
+_DISK_FULL_WORDS = ("No space left on device", "StorageFull", "Disk quota exceeded")
+
+
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """`write(tmp)`, then `tmp` renamed to `path`. A full disk, however the writing library words it, is an
+    OSError(ENOSPC) naming `path`, so that it reads as one (cli/errors.py) and not as a damaged file."""
     with atomic_path(path) as tmp:
-        write(tmp)
+        try:
+            write(tmp)
+        except OSError:
+            raise
+        except Exception as exc:
+            if any(words in str(exc) for words in _DISK_FULL_WORDS):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
+            raise
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

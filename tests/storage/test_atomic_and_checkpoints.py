@@ -142,3 +142,23 @@ def test_an_adapter_with_non_finite_values_is_never_written_and_the_old_file_sta
             checkpoints.save_adapter(path, {"w": bad})
     assert torch.equal(load_file(path)["w"], torch.ones(2))  # the last good adapter is left as it was
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
+
+
+def test_a_full_disk_worded_by_a_library_is_a_full_disk_naming_the_file(tmp_path):
+    """safetensors (Rust) raises its own error for ENOSPC; it must read as a full disk, not a damaged file."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    path = tmp_path / checkpoints.ADAPTER_FILE
+
+    def full(tmp):
+        tmp.write_bytes(b"partial")
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
+
+    with pytest.raises(OSError) as err:
+        write_atomic(path, full)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(path)
+    assert not path.exists() and list(tmp_path.iterdir()) == []
