@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,16 +89,27 @@ class StopOnSignal:
         return interrupts.EXIT_STATUS[signum]
 
     def _watch(self, receiver: socket.socket) -> None:
+        # The receiver stays open until `uninstall`: a signal repeated during the stop (Prefect re-delivers
+        # SIGTERM) is written to the wake-up descriptor too, and a closed peer made Python print a BrokenPipeError.
         with receiver:
+            signum, deadline = None, 0.0
             while True:
-                data = receiver.recv(1)
-                if not data:  # uninstalled: the command has ended
+                waiting = signum is not None and not self._reported.is_set()
+                receiver.settimeout(0.1 if waiting else None)
+                try:
+                    data: bytes | None = receiver.recv(64)
+                except TimeoutError:
+                    data = None
+                if data == b"":  # uninstalled: the command has ended
                     return
-                if data[0] in interrupts.STOP_SIGNALS:
-                    signum = data[0]
-                    break
-        if self._reported.wait(self.grace_seconds):
-            return
+                if signum is None and data:
+                    signum = next((b for b in data if b in interrupts.STOP_SIGNALS), None)
+                    deadline = time.monotonic() + self.grace_seconds
+                if waiting and time.monotonic() >= deadline:
+                    self._give_up(signum)
+
+    def _give_up(self, signum: int) -> None:
+        """The stop did not unwind to the command within the grace time: mark the run and exit from here."""
         for root in ownership.owned_roots():  # its owner is this process, stuck: nothing else writes the run
             RunDir(root).set_status("interrupted", interrupted_by=interrupts.signal_name(signum))
         self.say(resume_hint(self.root, signum))

@@ -166,6 +166,7 @@ def test_sigterm_mid_iteration_stops_within_seconds_and_resume_matches_an_uninte
         pytest.fail("still running 10 s after SIGTERM:\n" + log_path.read_text()[-3000:])
     output = log_path.read_text()
     assert code == 143, output[-3000:]
+    assert "Traceback" not in output and "BrokenPipeError" not in output, output[-3000:]
     assert f"run term interrupted by SIGTERM: its completed stages are kept; {_RESUME} {root}" in output
     print(f"stopped {time.monotonic() - sent:.1f} s after SIGTERM")
     run = RunDir.open(root)

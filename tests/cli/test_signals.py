@@ -1,0 +1,34 @@
+"""The stop handler of `redteam-grpo run`: a signal repeated during the stop (Prefect re-delivers SIGTERM to the
+handler it replaced) finds its wake-up descriptor open, so Python prints no `BrokenPipeError` from it."""
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from redteam_grpo.cli.signals import StopOnSignal
+from redteam_grpo.flows.attack import STOP_EXCEPTIONS
+
+
+def test_a_repeated_stop_signal_writes_to_an_open_wakeup_descriptor(tmp_path, monkeypatch):
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: unraisable.append(info))
+    said = []
+    stop = StopOnSignal(tmp_path, said.append, grace_seconds=30)
+    stop.install()
+    try:
+        with pytest.raises(STOP_EXCEPTIONS):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler raises here
+        time.sleep(0.3)  # the watcher has read the first signal's wake-up byte
+        for _ in range(3):  # the stop is under way: repeats are ignored by the handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        assert stop.report(signal.SIGTERM) == 143
+    finally:
+        stop.uninstall()
+    time.sleep(0.1)
+    assert [str(u.exc_value) for u in unraisable] == []
+    assert len(said) == 1 and "interrupted by SIGTERM" in said[0]
