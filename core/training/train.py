@@ -36,6 +36,7 @@ p_trainer_old / p_sampler, truncated or masked. With the in-process sampler the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -441,28 +442,9 @@ def policy_gradient_step(
     n_tokens = sum(batch.trained_tokens(i) for i in rows)
     n_sequences = len(rows)
     if not rows:  # nothing to learn from: no step (Adam's state and step count are left alone)
-        nan = math.nan
-        return UpdateStats(
-            0.0,
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-            0.0,
-            nan,
-            0.0,
-            0.0,
-            float(n_dropped_groups),
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-            nan,
-        )
+        unmeasured = dict.fromkeys((f.name for f in dataclasses.fields(UpdateStats)), math.nan)
+        measured = {"loss": 0.0, "grad_norm": 0.0, "n_tokens": 0.0, "n_sequences": 0.0}
+        return UpdateStats(**unmeasured | measured | {"n_dropped_groups": float(n_dropped_groups)})
 
     compute_loss = loss_function(cfg)
     correction = cfg.correction(batch.sampler)
