@@ -298,7 +298,7 @@ def infer(
 
 
 def _register_commands() -> None:
-    from redteam_grpo.cli.runs import evaluate, export, inspect, push, report
+    from redteam_grpo.cli.runs import evaluate, export, inspect, push, rebuild_manifest, report
     from redteam_grpo.cli.serve import install_sampler, serve_reward, serve_sampler
 
     app.command("serve-reward")(serve_reward)
@@ -309,6 +309,7 @@ def _register_commands() -> None:
     app.command()(report)
     app.command()(evaluate)
     app.command()(push)
+    app.command("rebuild-manifest")(rebuild_manifest)
 
 
 _register_commands()

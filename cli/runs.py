@@ -284,3 +284,48 @@ def push(
 ) -> None:
     """Push a run's adapter to the Hugging Face hub (token from HF_TOKEN; never the optimizer or RNG state)."""
     push_newest(run_dir, repo_id, iteration, public, base_model)
+
+
+@user_errors
+def rebuild_manifest(
+    run_dir: RunArg,
+    force: Annotated[
+        bool, typer.Option("--force", help="Rebuild a manifest that still reads as valid (e.g. edited by hand).")
+    ] = False,
+) -> None:
+    """Rebuild a damaged manifest.json from the newest intact checkpoint (the damaged file is kept beside it)."""
+    from redteam_grpo.cli.main import console
+    from redteam_grpo.storage import ownership
+    from redteam_grpo.storage.location import location
+    from redteam_grpo.storage.rundir import RunDir, RunDirError, command_for
+
+    root = location(run_dir)
+    run = RunDir(root)
+    if not run.config_path.is_file():
+        raise RunDirError(f"{root} is not a run directory (no config.json)")
+    if not force:
+        try:
+            run.manifest()
+        except RunDirError:
+            pass
+        else:
+            raise RunDirError(f"{run.manifest_path} reads as valid: nothing to rebuild (--force rebuilds it anyway)")
+    with ownership.owning(root):
+        rebuilt = run.rebuild_manifest()
+    for reason in rebuilt.skipped:
+        console.print(f"[yellow]not used:[/yellow] {reason}", highlight=False)
+    kept = f"; the old file is kept as {rebuilt.damaged_copy.name}" if rebuilt.damaged_copy else ""
+    if rebuilt.source is None:
+        console.print(
+            f"rebuilt {run.manifest_path} with no completed iteration: no checkpoint holds a copy of the run's "
+            f"records, so a resume computes every iteration again{kept}",
+            highlight=False,
+        )
+    else:
+        done = rebuilt.iterations
+        console.print(
+            f"rebuilt {run.manifest_path} from {rebuilt.source.relative_to(root)}: iterations {done[0]}-{done[-1]} "
+            f"recorded as completed, with their files' checksums{kept}",
+            highlight=False,
+        )
+    console.print(f"continue with: redteam-grpo {command_for(root)} --resume {root}", highlight=False)

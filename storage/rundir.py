@@ -15,6 +15,11 @@ A folder is a run once its manifest exists: `create` writes it last. A folder wi
 what an interrupted `create` leaves (config.json, owner.lock, temporary files) is not a run yet; `create` takes
 it over and `open` says how to start it again. The process that runs stages owns the folder (owner.lock,
 storage/ownership.py).
+
+Each sealed checkpoint keeps a copy of the manifest's stage records as they stood when it was sealed (`RUN_RECORD`
+in its manifest), so a damaged manifest.json is rebuilt from the newest intact checkpoint (`rebuild_manifest`,
+`redteam-grpo rebuild-manifest RUN`): every iteration up to it is recovered with its checksums and statistics, the
+stages after it are computed again by the next resume.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ SAMPLER_FOLDER = "sampler"  # sampling.backend=vllm: adapters exported for the s
 OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
 # What a `create` interrupted before its manifest write can leave in the folder.
 _CREATION_LEFTOVERS = ("config.json", OWNER_FILE)
+RUN_RECORD = "run_record"  # a checkpoint manifest's copy of the run manifest at sealing (rebuild_manifest)
+# What the manifest says of the run's state rather than of its files: not copied into checkpoints, set by a resume.
+_STATE_KEYS = ("status", "shards", "stop_kind", "stop_reason", "interrupted_by", "rebuilt_from")
 
 
 def command_for(root: Path) -> str:
@@ -153,6 +161,16 @@ def file_digest(path: Path) -> str | None:
 
 def new_run_id(name: str) -> str:
     return f"{name}-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S-%f')}"
+
+
+@dataclass(frozen=True)
+class RebuiltManifest:
+    """What `RunDir.rebuild_manifest` recovered: from which checkpoint, which iterations, where the old file went."""
+
+    source: Path | None  # the checkpoint whose copy was used; None: no usable checkpoint, nothing recovered
+    iterations: list[int]  # the iterations recorded as complete again
+    damaged_copy: Path | None  # the old manifest.json, kept
+    skipped: list[str]  # newer checkpoints that could not be used, and why
 
 
 @dataclass(frozen=True)
@@ -341,10 +359,7 @@ class RunDir:
 
     def check_format(self) -> None:
         """Refuse a run written by another layout, naming what changed."""
-        try:
-            version = json.loads(self.manifest_path.read_text()).get("format_version", 1)
-        except json.JSONDecodeError as exc:
-            raise RunDirError(f"{self.manifest_path} is not valid JSON: {exc}") from None
+        version = self.manifest().get("format_version", 1)
         if version != RUN_FORMAT:
             changes = FORMAT_CHANGES.get(version, "a layout this version does not know")
             raise RunDirError(
@@ -406,12 +421,63 @@ class RunDir:
 
     def manifest(self) -> dict[str, Any]:
         try:
-            return json.loads(self.manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            data = json.loads(self.manifest_path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
+                raise ValueError("not an object with a 'stages' object")
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
             raise DamagedRunError(
-                f"{self.manifest_path} is damaged ({exc}): it records which stages completed. Restore it from a "
-                "backup; the stage files themselves are intact unless reported otherwise"
+                f"{self.manifest_path} is damaged ({exc}): it records which stages completed. Rebuild it from the "
+                f"newest intact checkpoint (the damaged file is kept beside it): redteam-grpo rebuild-manifest "
+                f"{self.root}"
             ) from None
+        return data
+
+    def record_for_checkpoint(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the run manifest (`RUN_RECORD`): its stage records and the run's identity
+        (run id, format, lineage), not its state."""
+        return {k: v for k, v in self.manifest().items() if k not in _STATE_KEYS}
+
+    def rebuild_manifest(self) -> RebuiltManifest:
+        """Write a new manifest.json from the newest intact checkpoint's `RUN_RECORD`, keeping the old file as
+        manifest.json.damaged[-N]. The caller owns the run (storage/ownership.py). Status: interrupted (a resume
+        continues it); without any usable checkpoint, a manifest that records nothing (a resume starts over)."""
+        self.stored_config()  # the mode and stages come from it: a damaged config is named first
+        sealed = sorted((p for p in (self.root / "checkpoints").glob("iter_*") if p.is_dir()), reverse=True)
+        skipped: list[str] = []
+        source, record = None, {"run_id": self.run_id, "format_version": RUN_FORMAT, "stages": {}}
+        for folder in sealed:
+            try:
+                found = checkpoints.read_manifest(folder).get(RUN_RECORD)
+            except checkpoints.CheckpointError as exc:
+                skipped.append(str(exc))
+                continue
+            if found is None:
+                skipped.append(f"{folder} was sealed by a version that kept no copy of the run manifest")
+                continue
+            iteration = int(folder.name.removeprefix("iter_"))
+            sealed_file = folder / checkpoints.MANIFEST_FILE
+            found["stages"][_manifest_key(CHECKPOINT, iteration)] = {
+                "files": {str(sealed_file.relative_to(self.root)): sha256_file(sealed_file)},
+                "completed_at": dt.datetime.now(dt.UTC).isoformat(),
+            }
+            source, record = folder, found
+            break
+        kept = self._keep_damaged_manifest()
+        write_json_atomic(
+            self.manifest_path,
+            {**record, "status": "interrupted", "rebuilt_from": str(source.relative_to(self.root)) if source else None},
+        )
+        recovered = sorted({i for i, name in map(_parse_manifest_key, record["stages"]) if name == CHECKPOINT.name})
+        return RebuiltManifest(source, recovered, kept, skipped)
+
+    def _keep_damaged_manifest(self) -> Path | None:
+        if not self.manifest_path.exists():
+            return None
+        kept, n = self.root / "manifest.json.damaged", 1
+        while kept.exists():
+            kept, n = self.root / f"manifest.json.damaged-{n}", n + 1
+        write_atomic(kept, lambda tmp: tmp.write_bytes(self.manifest_path.read_bytes()))
+        return kept
 
     def _update_manifest(self, change) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.location import remove_tree
 from redteam_grpo.storage.modes import mode_of
-from redteam_grpo.storage.rundir import INIT_VERSION
+from redteam_grpo.storage.rundir import INIT_VERSION, RUN_RECORD
 from redteam_grpo.storage.stages import CHECKPOINT
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
@@ -158,7 +158,9 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
         run.verify(stage, iteration)  # seal exactly the weights the update stages recorded
     summary = {k: metrics[k] for k in mode.summary}
     with interrupts.recording():  # sealed exactly when recorded
-        checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary})
+        # the run manifest's records as they stand, so a damaged run manifest can be rebuilt from this checkpoint
+        record = {RUN_RECORD: run.record_for_checkpoint()}
+        checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary, **record})
         run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
     if cfg.run.keep_checkpoints:
         for old in run.completed_iterations()[: -cfg.run.keep_checkpoints]:

@@ -111,11 +111,55 @@ def test_a_truncated_scores_file_is_named_by_readers_and_resume(copy):
         _one_error_line(code, out, str(scores), "--redo 1/score")
 
 
-def test_a_manifest_that_is_not_json_is_named(copy):
+def test_a_manifest_that_is_not_json_is_named_with_the_command_that_rebuilds_it_from_the_checkpoints(copy):
+    before = copy.manifest()
     copy.manifest_path.write_text("{ not json")
-    for args in (("inspect", copy.root), ("run", "--resume", copy.root)):
+    for args in (
+        ("inspect", copy.root),
+        ("run", "--resume", copy.root),
+        ("evaluate", copy.root),
+        ("infer", "--run", copy.root, "--prompt", "hi"),
+        ("export", copy.root, "-o", copy.root.parent / "exported"),
+    ):
         code, out = _cli(*args)
-        _one_error_line(code, out, str(copy.manifest_path))
+        _one_error_line(code, out, str(copy.manifest_path), f"redteam-grpo rebuild-manifest {copy.root}")
+
+    code, out = _cli("rebuild-manifest", copy.root)
+    assert code == 0, out
+    assert "from checkpoints/iter_0001: iterations 0-1" in out and f"run --resume {copy.root}" in out, out
+    assert (copy.root / "manifest.json.damaged").read_text() == "{ not json"  # nothing written before is lost
+    rebuilt = copy.manifest()
+    assert rebuilt["status"] == "interrupted" and rebuilt["rebuilt_from"] == "checkpoints/iter_0001"
+    for key, entry in before["stages"].items():  # every record back, with its checksums and statistics
+        assert rebuilt["stages"][key]["files"] == entry["files"], key
+        assert rebuilt["stages"][key].get("stats") == entry.get("stats"), key
+    assert rebuilt["stages"].keys() == before["stages"].keys()
+
+    written = {p: p.stat().st_mtime_ns for p in copy.root.rglob("*.parquet")}
+    code, out = _cli("run", "--resume", copy.root)
+    assert code == 0, out
+    assert copy.manifest()["status"] == "completed"
+    assert {p: p.stat().st_mtime_ns for p in copy.root.rglob("*.parquet")} == written  # nothing recomputed
+
+
+def test_a_manifest_rebuild_starts_from_the_newest_intact_checkpoint_and_the_resume_recomputes_the_rest(copy):
+    """The newest checkpoint damaged as well: the copy in the one before it is used, and iteration 1 runs again."""
+    (copy.checkpoint_dir(1) / checkpoints.ADAPTER_FILE).write_bytes(b"damaged")
+    copy.manifest_path.write_text("[]")  # valid JSON, not a manifest
+    code, out = _cli("inspect", copy.root)
+    _one_error_line(code, out, "rebuild-manifest")
+    code, out = _cli("rebuild-manifest", copy.root)
+    assert code == 0, out
+    assert "not used:" in out and "iter_0001" in out and "from checkpoints/iter_0000: iterations 0-0" in out, out
+    assert copy.completed_iterations() == [0]
+    code, out = _cli("run", "--resume", copy.root)
+    assert code == 0, out
+    assert copy.completed_iterations() == [0, 1] and copy.checkpoint_intact(1)
+
+
+def test_a_manifest_rebuild_refuses_a_manifest_that_reads_as_valid(copy):
+    code, out = _cli("rebuild-manifest", copy.root)
+    _one_error_line(code, out, "reads as valid", "--force")
 
 
 @pytest.mark.parametrize(
