@@ -28,6 +28,7 @@ COPY storage storage
 COPY server server
 COPY configs configs
 COPY bench bench
+COPY deploy deploy
 COPY prefect.yaml ARCHITECTURE.md ./
 # Editable, so prefect.yaml's entrypoints (flows/<file>.py) and the installed package are the same files.
 RUN pip install -e ".[${EXTRAS}]"

@@ -77,6 +77,7 @@ def inspect(
 
     from redteam_grpo.cli.main import console
     from redteam_grpo.storage.export import ExportError, csv_ready, write_frame
+    from redteam_grpo.storage.ownership import stopped_unexpectedly
     from redteam_grpo.storage.query import query, summary
     from redteam_grpo.storage.schemas import SchemaError
 
@@ -92,11 +93,16 @@ def inspect(
     if fmt is None:
         manifest = run.manifest()
         if not sql:
+            crashed = stopped_unexpectedly(run)
             console.print(
-                f"run {run.run_id}: {manifest.get('status')}, {len(run.completed_iterations())} iterations completed"
+                f"run {run.run_id}: {'stopped unexpectedly' if crashed else manifest.get('status')}, "
+                f"{len(run.completed_iterations())} iterations completed"
                 + (f", lineage {manifest['lineage']}" if manifest.get("lineage") else "")
-                + (f", parent {manifest['parent_run']}" if manifest.get("parent_run") else "")
+                + (f", parent {manifest['parent_run']}" if manifest.get("parent_run") else ""),
+                highlight=False,
             )
+            if crashed:
+                console.print(f"[yellow]{crashed}[/yellow]", highlight=False)
         if sql:
             _print_frame(df)
         else:

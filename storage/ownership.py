@@ -34,7 +34,7 @@ from pathlib import Path
 
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.location import is_remote, location
-from redteam_grpo.storage.rundir import OWNER_FILE, RunDirError, command_for
+from redteam_grpo.storage.rundir import OWNER_FILE, RunDir, RunDirError, command_for
 
 _log = logging.getLogger(__name__)
 # The runs this process owns now, so that a stop that cannot wait for the normal unwinding (cli/signals.py) can
@@ -157,6 +157,43 @@ def refuse_if_owned(root: str | Path) -> None:
         return
     _lock_or_refuse(fd, root)
     os.close(fd)
+
+
+def live_owner(root: str | Path) -> Owner | None:
+    """The process that owns `root` now, or None when none does (a local lock nobody holds, or an object-storage
+    record that is empty or names a process that died on this host). Takes nothing."""
+    root = location(root)
+    if is_remote(root):
+        holder = _recorded_owner(root)
+        return None if holder is None or holder.is_dead_here() else holder
+    try:
+        fd = os.open(root / OWNER_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            return _read_owner(fd) or Owner(-1, "?", "?")  # held; its name not written yet
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def stopped_unexpectedly(run: RunDir) -> str | None:
+    """When the manifest says running but no process owns the run: what happened and the command that continues it
+    (its process was killed, by kill -9, the out-of-memory killer or a lost machine, before it could record a stop).
+    None otherwise."""
+    if run.manifest().get("status") != "running" or live_owner(run.root) is not None:
+        return None
+    return (
+        "its manifest says running, but no process owns it: the process that ran it ended without recording a stop "
+        f"(killed, out of memory, or its machine lost). Nothing recorded is lost; continue with: redteam-grpo "
+        f"{command_for(run.root)} --resume {run.root}"
+    )
 
 
 def acquire(root: str | Path) -> RunOwner:

@@ -58,6 +58,8 @@ def test_compose_file_is_valid_and_wires_the_services():
     assert "prefect --no-prompt deploy --all" in " ".join(worker["command"])
     # the GPU slots runs take with runtime.gpu_slot=gpu: created once, one per GPU
     assert "prefect gcl create gpu --limit 1" in " ".join(worker["command"])
+    # the automation that marks a run whose process died Crashed, created once
+    assert "prefect automation create --from-file deploy/unresponsive-runs.yaml" in " ".join(worker["command"])
     assert {str(v).split(":")[1] if isinstance(v, str) else v["target"] for v in worker["volumes"]} == {
         "/app/runs",
         "/cache",

@@ -1,8 +1,8 @@
 """prefect.yaml against the production Prefect setup: `prefect server start` backed by PostgreSQL (a database of
 its own per test session on 127.0.0.1:5432, as docker-compose.yml runs it) on a free loopback port, a process work
 pool, `prefect deploy --all`, process workers, deployment runs triggered with parameters, their Parquet output checked;
-and load through it: four runs submitted at once queue on a GPU-slot limit of 1. Everything started here is stopped
-here, the database dropped.
+load through it (four runs submitted at once queue on a GPU-slot limit of 1); and a worker killed with SIGKILL mid-run,
+which deploy/unresponsive-runs.yaml marks Crashed. Everything started here is stopped here, the database dropped.
 
 REDTEAM_GRPO_TEST_PREFECT_DB=sqlite runs the same tests on a SQLite server, for a machine without PostgreSQL;
 REDTEAM_GRPO_TEST_POSTGRES names another PostgreSQL server (default postgresql://postgres@127.0.0.1:5432/postgres)."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import socket
@@ -273,3 +274,99 @@ def test_four_runs_submitted_at_once_queue_on_a_gpu_slot_limit_of_one_and_each_f
     held.sort()
     assert all(one[1] < next_one[0] for one, next_one in itertools.pairwise(held)), held
     assert _call("GET", f"{api}/v2/concurrency_limits/gpu-load")["active_slots"] == 0
+
+
+def _flow_run_heartbeats(api, flow_run: str) -> int:
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.flow-run.heartbeat"]},
+            "resource": {"id": [f"prefect.flow-run.{flow_run}"]},
+            "occurred": {"since": "2000-01-01T00:00:00Z"},
+        },
+        "limit": 50,
+    }
+    return len(_call("POST", f"{api}/events/filter", json=body)["events"])
+
+
+def test_a_flow_run_whose_processes_are_killed_is_marked_crashed_and_its_run_says_so_and_resumes(
+    prefect_server, deployments, tmp_path
+):
+    """What an out-of-memory kill of a worker's container does: the worker and the flow run's process die with
+    SIGKILL and nothing is recorded. deploy/unresponsive-runs.yaml marks the flow run Crashed in Prefect, the run
+    directory reads as stopped unexpectedly (its manifest says running, no process owns it), and the resume it names
+    continues from the last checkpoint."""
+    api, env = prefect_server
+    automation = yaml.safe_load((ROOT / "deploy" / "unresponsive-runs.yaml").read_text())
+    automation["trigger"]["within"] = 50  # a heartbeat every 30 s (Prefect's shortest); the shipped window is 120 s
+    _prefect(env, "automation", "create", "--from-json", json.dumps(automation))
+    runs = tmp_path / "runs"
+    root = runs / "killed"
+    flow_run = _trigger(
+        api,
+        deployments["red-team"],
+        {"overrides": [*SMALL, "run.iterations=500", f"run.runs_dir={runs}", "run.run_id=killed"]},
+    )
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [*PREFECT, "worker", "start", "--pool", "redteam-grpo", "--limit", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (
+            (root / "manifest.json").is_file()
+            and RunDir(root).completed_iterations()
+            and _flow_run_heartbeats(api, flow_run)
+        ):
+            assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+            time.sleep(1)
+        owner = json.loads((root / "owner.lock").read_text())["pid"]
+        os.kill(owner, signal.SIGKILL)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        log.close()
+
+    deadline = time.monotonic() + 180
+    while (state := _call("GET", f"{api}/flow_runs/{flow_run}")["state"])["type"] != "CRASHED":
+        assert state["type"] == "RUNNING" and time.monotonic() < deadline, state
+        time.sleep(2)
+    assert "No heartbeat" in state["message"] and "redteam-grpo inspect RUN_DIR" in state["message"]
+
+    inspect = subprocess.run(
+        [sys.executable, "-m", "redteam_grpo.cli.main", "inspect", str(root)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = " ".join((inspect.stdout + inspect.stderr).split())  # the console writes to stderr, the table to stdout
+    assert inspect.returncode == 0, said
+    assert "run killed: stopped unexpectedly" in said and f"redteam-grpo run --resume {root}" in said, said
+
+    done = RunDir(root).completed_iterations()
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "redteam_grpo.cli.main",
+            "run",
+            "--resume",
+            str(root),
+            "--set",
+            f"run.iterations={len(done) + 1}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    run = RunDir(root)
+    assert run.manifest()["status"] == "completed" and run.completed_iterations() == list(range(len(done) + 1))

@@ -59,14 +59,22 @@ def test_a_lock_dies_with_its_process_and_the_next_owner_says_it_took_over(run, 
         assert child.stdout.readline().strip() == "owned"
         with pytest.raises(ownership.RunOwnedElsewhere, match=f"owned by pid {child.pid} on "):
             ownership.acquire(run.root)
+        assert ownership.live_owner(run.root).pid == child.pid
+        assert ownership.stopped_unexpectedly(run) is None  # running, and owned
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+    # what kill -9 or the out-of-memory killer leaves: a manifest that says running, and nobody owning the run
+    assert ownership.live_owner(run.root) is None
+    assert "no process owns it" in ownership.stopped_unexpectedly(run)
+    assert f"redteam-grpo run --resume {run.root}" in ownership.stopped_unexpectedly(run)
     with caplog.at_level(logging.WARNING, logger=ownership.__name__), ownership.owning(run.root) as held:
         assert held.owner.pid == os.getpid()
         assert json.loads((run.root / OWNER_FILE).read_text())["pid"] == os.getpid()
     assert f"taking over run r from pid {child.pid} on {socket.gethostname()}" in caplog.text
     assert "is no longer running" in caplog.text
+    run.set_status("interrupted")  # a stop that was recorded is not unexpected
+    assert ownership.stopped_unexpectedly(run) is None
 
 
 def test_on_object_storage_a_record_from_another_host_is_refused_until_removed(tmp_path):
