@@ -1,5 +1,5 @@
-"""Prefect's console output for the CLI: a failed flow or task run's traceback stays off the console, because the
-CLI reports the cause itself as one `error:` line (with `--verbose`, or in the Prefect API, the traceback is there)."""
+"""Prefect's console output for the CLI: a failed flow or task run's traceback, and its "Finished in state Failed"
+line, stay off the console, because the CLI reports the cause itself as one `error:` line (with `--verbose`, or in the Prefect API, the traceback is there)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ import logging
 
 
 class _NoTraceback(logging.Filter):
-    """Drops the records that carry a traceback."""
+    """Drops the records that carry a traceback, and Prefect's echo of a run's failure ("Finished in state
+    Failed(...)"): the CLI's `error:` line says the same once, with the way out."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is None
+        if record.exc_info is not None:
+            return False
+        echo = record.levelno >= logging.ERROR and record.name in ("prefect.task_runs", "prefect.flow_runs")
+        return not (echo and str(record.msg).startswith("Finished in state"))
 
 
 def keep_tracebacks_off_console() -> None:

@@ -240,6 +240,22 @@ def test_a_default_run_prints_progress_and_table_only_and_verbose_adds_prefect_a
     assert "Finished in state Completed()" in verbose.stderr and "Beginning flow run" in verbose.stderr
 
 
+def test_a_failure_inside_a_prefect_task_is_the_error_line_alone(tmp_path):
+    """evaluate on a damaged checkpoint fails inside its Prefect task: the console shows the CLI's one `error:` line,
+    not Prefect's echo of the failed task run as well (nor a traceback)."""
+    env = {k: v for k, v in os.environ.items() if k not in QUIETING_VARIABLES}
+    done = _cli(
+        "run", *SMALL, "--set", "run.iterations=2", "--set", f"run.runs_dir={tmp_path}", "--set", "run.run_id=r"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = tmp_path / "r" / "checkpoints" / "iter_0001" / checkpoints.MANIFEST_FILE
+    manifest.write_text("{ damaged")
+    out = _cli("evaluate", str(tmp_path / "r"), env=env)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error:") and str(manifest) in lines[0] and "--iteration" in lines[0], lines
+
+
 def test_resume_of_a_folder_that_is_no_run_is_a_clear_error(tmp_path):
     out = _cli("run", "--resume", str(tmp_path))
     assert out.returncode == 2 and "is not a run directory" in out.stderr
