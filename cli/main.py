@@ -14,6 +14,7 @@ from rich.table import Table
 
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.cli.errors import name_the_run, options_from_flags, user_errors
+from redteam_grpo.cli.reaper import stop_api_server_with_this_process
 from redteam_grpo.storage.location import location
 
 app = typer.Typer(help="GRPO red-teaming of language models, as Prefect stages over Parquet.", no_args_is_help=True)
@@ -135,6 +136,7 @@ def _train(
         from redteam_grpo.flows.console import keep_tracebacks_off_console
 
         keep_tracebacks_off_console()
+    stop_api_server_with_this_process()  # Prefect's temporary API server must not outlive a killed CLI
     from redteam_grpo.cli.signals import StopOnSignal
     from redteam_grpo.flows.attack import with_run_id
 

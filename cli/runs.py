@@ -14,6 +14,7 @@ from rich.table import Table
 
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.cli.errors import options_from_flags, user_errors
+from redteam_grpo.cli.reaper import stop_api_server_with_this_process
 from redteam_grpo.core.evaluation import EvaluationOptions
 
 RunArg = Annotated[
@@ -215,7 +216,7 @@ def evaluate(
         from redteam_grpo.flows.console import keep_tracebacks_off_console
 
         keep_tracebacks_off_console()
-
+    stop_api_server_with_this_process()  # Prefect's temporary API server must not outlive a killed CLI
     from redteam_grpo.flows.evaluate import evaluate as evaluate_flow
     from redteam_grpo.tasks.evaluate import EvaluationError
 

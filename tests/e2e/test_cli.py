@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from redteam_grpo.cli import reaper
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import checkpoints, ownership
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file
@@ -206,6 +208,27 @@ def test_ctrl_c_to_the_whole_process_group_stops_within_seconds_though_the_prefe
     assert code == 130, log_path.read_text()[-3000:]
     assert f"run ctrl-c interrupted by SIGINT: its completed stages are kept; {_RESUME} {root}" in log_path.read_text()
     assert RunDir.open(root).manifest()["status"] == "interrupted"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the API server's watcher needs /proc")
+@pytest.mark.usefixtures("embedded_assets")
+def test_prefect_s_temporary_api_server_dies_with_a_cli_killed_with_sigkill(tmp_path):
+    """kill -9 of the CLI alone (not its process group): no exit handler runs, and the API server Prefect started
+    as its child used to live on as an orphan; the watcher started beside the CLI stops it."""
+    proc, log_path = _start_run(tmp_path, "orphan", iterations=3)
+    try:
+        _wait_until_recorded(proc, tmp_path / "orphan", "0/sample", log_path)
+        servers = reaper._servers_of(proc.pid)
+        assert servers, "no temporary API server found: the test no longer sees what it checks"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while any(map(reaper._alive, servers)):
+            assert time.monotonic() < deadline, f"the API server {servers} outlived the CLI by 20 s"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the run's process group
 
 
 def test_a_resume_of_a_run_another_process_owns_is_refused_at_once_naming_it(tmp_path):
