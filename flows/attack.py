@@ -44,10 +44,10 @@ from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import check_model_available, load_tokenizer
 from redteam_grpo.core.training.stopping import early_stop
 from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_runner, ray_session
-from redteam_grpo.storage import interrupts, ownership
+from redteam_grpo.storage import checkpoints, interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.modes import ATTACK_MODE, Mode, mode_of
-from redteam_grpo.storage.rundir import RunDir, RunDirError, new_run_id, parse_redo
+from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, RunDirError, new_run_id, parse_redo
 from redteam_grpo.tasks.checkpoint import attacker_system_prompt, initialize_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import forget
@@ -68,7 +68,7 @@ def models_in_use(cfg: Config) -> list[tuple[str, str]]:
     return models
 
 
-def check_inputs(cfg: Config) -> None:
+def check_inputs(cfg: Config, run: RunDir | None = None) -> None:
     """Every check of what a run will read, before any model loads: each model it names can be loaded (a folder,
     or a hub id in the local cache when offline), the prompt source loads and every prompt fits
     model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later). With an
@@ -83,10 +83,21 @@ def check_inputs(cfg: Config) -> None:
         prompts = [Prompt(p.pair_id, p.input_text) for p in training_pairs(cfg)]
     else:
         prompts = load_prompts(cfg.data)
-    system_prompt = attacker_system_prompt(cfg) if mode.attacker else cfg.model.system_prompt
+    system_prompt = _attacker_prompt(cfg, run) if mode.attacker else cfg.model.system_prompt
     tokenizer = load_tokenizer(cfg.model)
     prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
     check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)
+
+
+def _attacker_prompt(cfg: Config, run: RunDir | None) -> str:
+    """The system prompt the attacker formats goals with: as the run recorded it when it started (a resumed defense
+    run has its attacker in its initial checkpoint, wherever defense.attacker has gone since), else as it will be."""
+    if run is not None:
+        try:
+            return checkpoints.read_manifest(run.checkpoint_dir(INIT_VERSION))["attacker"]["system_prompt"]
+        except (checkpoints.CheckpointError, KeyError):
+            pass  # not started far enough to have recorded it
+    return attacker_system_prompt(cfg)
 
 
 @contextlib.contextmanager
@@ -99,8 +110,8 @@ def owned_run(
     Everything that writes into the folder happens under the lock: its creation, the clean-up of temporary
     files that interrupted writes left, a resumed config, the lineage record (storage/lineage.py). A new run's
     data is checked before its folder exists; a resumed run first checks every file it recorded, so it never
-    builds on a damaged one; `redo` (`7` or `7/score`) drops that stage, the rest of its iteration and every
-    later iteration, to be computed again.
+    builds on a damaged one, then its data and models as a new run's; `redo` (`7` or `7/score`) drops that stage,
+    the rest of its iteration and every later iteration, to be computed again.
     """
     log = stage_logger()
     if resume is None:
@@ -128,6 +139,7 @@ def owned_run(
                 dropped = run.forget_from(*redo_from)
                 log.warning("redo %s: %d recorded stages will be computed again", redo, len(dropped))
             run.verify_all()
+            check_inputs(resumed, run)  # the data may have moved since the run started: say so before a model loads
             run.store_resumed_config(resumed)  # only now: a refused resume changes nothing on disk
         lineage = run.stored_config().run.lineage
         if lineage is not None:

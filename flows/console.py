@@ -1,5 +1,6 @@
 """Prefect's console output for the CLI: a failed flow or task run's traceback, and its "Finished in state Failed"
-line, stay off the console, because the CLI reports the cause itself as one `error:` line (with `--verbose`, or in the Prefect API, the traceback is there)."""
+line, stay off the console, because the CLI reports the cause itself as one `error:` line (with `--verbose`, or in
+the Prefect API, the traceback is there)."""
 
 from __future__ import annotations
 

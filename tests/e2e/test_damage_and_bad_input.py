@@ -181,6 +181,27 @@ def test_bad_prompt_files_fail_before_a_run_directory_exists(tmp_path, content, 
     assert not runs.exists() or not any(runs.iterdir())
 
 
+def test_a_resume_whose_prompt_file_is_gone_fails_before_any_model_loads(finished, tmp_path, monkeypatch):
+    """The data of a run may move between its start and its resume: the resume names the file before a model loads
+    (with real models, minutes), and changes nothing on disk."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Describe topic {i}."}) + "\n" for i in range(8)))
+    runs = tmp_path / "runs"
+    settings = [*SMALL_RUN, "run.iterations=1", f"data.source={data}", f"run.runs_dir={runs}", "run.run_id=moved"]
+    code, out = _cli("run", *[arg for setting in settings for arg in ("--set", setting)])
+    assert code == 0, out
+    data.rename(tmp_path / "elsewhere.jsonl")
+    before = (runs / "moved" / "config.json").read_text(), (runs / "moved" / "manifest.json").read_text()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr("redteam_grpo.tasks.resources.load_policy", no_model)
+    code, out = _cli("run", "--resume", runs / "moved", "--set", "run.iterations=2")
+    _one_error_line(code, out, f"data.source {data} does not exist")
+    assert ((runs / "moved" / "config.json").read_text(), (runs / "moved" / "manifest.json").read_text()) == before
+
+
 def test_a_prompt_too_long_for_the_model_fails_at_start_not_iterations_later(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello there", "word " * 400, "how are you"]))

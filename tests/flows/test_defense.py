@@ -23,6 +23,7 @@ of three seeds ~0.04: the mean drop must exceed 0.12, every seed's 0.05.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -221,3 +222,23 @@ def test_a_three_turn_defense_run_lowers_the_unsafe_share_of_its_dialogues(tmp_p
         drops.append(first - last)
     assert sum(drops) / len(drops) > DIALOGUE_DROP_MARGIN, (drops, shares)
     assert min(drops) > DIALOGUE_SEED_DROP_FLOOR, (drops, shares)
+
+
+def test_a_resumed_defense_run_needs_its_goals_but_not_the_attacker_run_it_copied(tmp_path, attacker):
+    """A resume checks its inputs again before any model loads (data may have moved); the attacker is not one of
+    them: its adapter and system prompt were copied into the run's initial checkpoint."""
+    moved = tmp_path / "attacker-copy"
+    shutil.copytree(attacker, moved)
+    goals = tmp_path / "goals.jsonl"
+    shutil.copy(RESOURCES / "goals.jsonl", goals)
+    run = _defense(tmp_path, "resumed", str(moved), "run.iterations=1", f"data.source={goals}")
+    shutil.rmtree(moved)
+    cfg = load_config(None, ["run.iterations=2"], base=run.stored_config().model_dump(mode="json"))
+    defense_run(config=cfg.model_dump(mode="json"), resume=str(run.root))
+    assert run.completed_iterations() == [0, 1]
+
+    goals.unlink()
+    cfg = load_config(None, ["run.iterations=3"], base=run.stored_config().model_dump(mode="json"))
+    with pytest.raises(DataError, match=f"data.source {goals} does not exist"):
+        defense_run(config=cfg.model_dump(mode="json"), resume=str(run.root))
+    assert run.completed_iterations() == [0, 1] and run.stored_config().run.iterations == 2
