@@ -5,7 +5,12 @@
   batched     64 texts per request, one request at a time (what the trainer's client sends)
   in-process  the same scorer called directly, 64 texts per call (no HTTP)
 
+and, under load, --clients clients each sending --requests requests of 1 to 16 texts back to back (default 8 x 500):
+every status counted (the target: no 5xx), the latency percentiles, and the server's memory before, after and at
+its peak (VmHWM), so a leak or a queue that grows shows.
+
     python bench/reward_server.py [--texts 512] [--scorer embedded:tiny-toxicity] [--concurrency 32]
+                                  [--clients 8] [--requests 500]
 
 The server is `redteam-grpo serve-reward` in its own process on a free loopback port, as in production.
 """
@@ -21,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -71,6 +77,57 @@ def bench_concurrent(url: str, texts: list[str], concurrency: int) -> float:
     return asyncio.run(main())
 
 
+def _memory_mb(pid: int) -> dict[str, float]:
+    """The process's resident memory now (VmRSS) and at its peak (VmHWM), in MB (Linux /proc)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+def bench_load(url: str, texts: list[str], clients: int, requests: int) -> dict[str, float]:
+    """`clients` clients at once, each `requests` requests back to back; statuses and latencies."""
+
+    async def client_run(seed: int, latencies: list[float], statuses: dict[int, int]) -> None:
+        rng = random.Random(seed)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            for _ in range(requests):
+                batch = rng.sample(texts, rng.randint(1, 16))
+                started = time.perf_counter()
+                try:
+                    status = (await client.post("/score", json={"texts": batch})).status_code
+                except httpx.TransportError:
+                    status = 0  # no answer at all
+                latencies.append(time.perf_counter() - started)
+                statuses[status] = statuses.get(status, 0) + 1
+
+    async def main() -> tuple[list[float], dict[int, int], float]:
+        latencies: list[float] = []
+        statuses: dict[int, int] = {}
+        started = time.perf_counter()
+        await asyncio.gather(*(client_run(seed, latencies, statuses) for seed in range(clients)))
+        return latencies, statuses, time.perf_counter() - started
+
+    latencies, statuses, seconds = asyncio.run(main())
+    latencies.sort()
+
+    def percentile(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+
+    return {
+        "requests": len(latencies),
+        "ok": statuses.get(200, 0),
+        "5xx": sum(n for code, n in statuses.items() if code >= 500),
+        "other": sum(n for code, n in statuses.items() if code != 200 and code < 500),
+        "p50_ms": percentile(0.50),
+        "p99_ms": percentile(0.99),
+        "max_ms": latencies[-1] * 1000,
+        "requests_per_s": len(latencies) / seconds,
+    }
+
+
 def bench_in_process(scorer: str, texts: list[str]) -> float:
     import torch
 
@@ -91,6 +148,8 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=512)
     parser.add_argument("--scorer", default="embedded:tiny-toxicity")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=500)
     args = parser.parse_args()
 
     texts = texts_for(args.texts)
@@ -130,6 +189,9 @@ def main() -> None:
             "concurrent": bench_concurrent(url, texts, args.concurrency),
             "batched": bench_batched(url, texts),
         }
+        memory_before = _memory_mb(server.pid)
+        load = bench_load(url, texts, args.clients, args.requests)
+        memory_after = _memory_mb(server.pid)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)
@@ -142,6 +204,16 @@ def main() -> None:
         print(f"{mode:<12}{rate:>10.1f}{rate / base:>10.1f}")
     verdict = "meets" if results["batched"] / base >= 10 else "MISSES"
     print(f"batched / single = {results['batched'] / base:.1f} ({verdict} the >= 10x target)")
+    print(
+        f"\nload: {args.clients} clients x {args.requests} requests of 1-16 texts: {load['requests']} requests, "
+        f"{load['ok']} ok, {load['5xx']} 5xx, {load['other']} other; {load['requests_per_s']:.0f} requests/s"
+    )
+    print(f"latency ms: p50 {load['p50_ms']:.1f}, p99 {load['p99_ms']:.1f}, max {load['max_ms']:.1f}")
+    print(
+        f"server memory MB: {memory_before['VmRSS']:.0f} before, {memory_after['VmRSS']:.0f} after "
+        f"(x{memory_after['VmRSS'] / memory_before['VmRSS']:.2f}), peak {memory_after['VmHWM']:.0f}"
+    )
+    print(f"5xx under load: {load['5xx']} ({'meets' if load['5xx'] == 0 else 'MISSES'} the zero target)")
 
 
 if __name__ == "__main__":
