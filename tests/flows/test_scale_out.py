@@ -1,8 +1,14 @@
 """Shards of the sample and score stages (runtime.shards): on Ray workers or one after the other in the run's
 process they write the same rows; each part is recorded as it completes, a failed shard is retried alone and a
-resumed run computes only the parts that are missing."""
+resumed run computes only the parts that are missing; a Ray worker killed mid-shard costs that shard alone."""
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -174,3 +180,52 @@ def test_a_ray_address_nothing_answers_at_is_an_error_at_once(tmp_path):
     no_port = _config(tmp_path, "b", "runtime.task_runner=ray", "runtime.ray_address=head").runtime
     with pytest.raises(runtime.RuntimeSetupError, match="fix the address"):
         runtime.ray_session(no_port).__enter__()
+
+
+def _ray_workers_running(task_name: str) -> list[int]:
+    """Ray worker processes running the Prefect task `task_name` now (their title is ray::<task name> while they
+    do, ray::IDLE after)."""
+    busy = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if title == f"ray::{task_name}".encode():
+                busy.append(int(entry.name))
+    return busy
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds Ray's workers through /proc")
+def test_a_ray_worker_killed_mid_shard_costs_that_shard_alone_and_the_rows_are_an_unbroken_run_s(tmp_path):
+    """What an out-of-memory kill of a Ray worker does: SIGKILL while it computes the second shard of the sample
+    stage (one CPU: the shards run one after the other, so the first part is recorded by then). The run completes,
+    the first part is not written again, and every table equals a run on the local runner."""
+    extra = ("runtime.task_runner=ray", "runtime.ray_num_cpus=1", "runtime.shard_retries=1")
+    run = RunDir(tmp_path / "killed")
+    first, second = (run.part_path(SAMPLE, 0, k, 2) for k in (0, 1))
+    seen: dict[str, object] = {}
+
+    def kill_mid_second_shard() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and "killed" not in seen:
+            if first.exists() and not second.exists():
+                workers = _ray_workers_running("sample-shard")
+                if workers:
+                    seen["first_written"] = first.stat().st_mtime_ns
+                    for pid in workers:
+                        os.kill(pid, signal.SIGKILL)
+                    seen["killed"] = workers
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_mid_second_shard, daemon=True)
+    killer.start()
+    attack.attack_run(config=_config(tmp_path, "killed", *extra).model_dump(mode="json"))
+    killer.join(5)
+    assert seen.get("killed"), "no Ray worker was found computing the second shard: nothing was killed"
+    assert run.manifest()["status"] == "completed"
+    assert first.stat().st_mtime_ns == seen["first_written"]  # the shard that had completed was not computed again
+    attack.attack_run(config=_config(tmp_path, "local").model_dump(mode="json"))
+    for stage in (SAMPLE, SCORE, ADVANTAGE):
+        assert_same_rows(_rows(RunDir(tmp_path / "local"), stage), _rows(run, stage), exact=False)
