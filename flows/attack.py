@@ -42,6 +42,7 @@ from redteam_grpo.core.config import (
 from redteam_grpo.core.data.sources import Prompt, check_prompt_lengths, load_prompts
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import check_model_available, load_tokenizer
+from redteam_grpo.core.scoring.backend import preflight
 from redteam_grpo.core.training.stopping import early_stop
 from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_runner, ray_session
 from redteam_grpo.storage import checkpoints, interrupts, ownership
@@ -71,12 +72,15 @@ def models_in_use(cfg: Config) -> list[tuple[str, str]]:
 def check_inputs(cfg: Config, run: RunDir | None = None) -> None:
     """Every check of what a run will read, before any model loads: each model it names can be loaded (a folder,
     or a hub id in the local cache when offline), the prompt source loads and every prompt fits
-    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later). With an
+    model.max_prompt_tokens after chat formatting (not only the ones drawn first, iterations later), the scorer's
+    labels name reward.toxic_label and reward.refusal_label (when it scores in this process). With an
     attacker (defense) the prompts are its goals, formatted with its system prompt; SFT's data are pairs, of which
     the inputs are checked."""
     for setting, name in models_in_use(cfg):
         check_model_available(setting, name, cfg.model.revision if setting == "model.policy" else None)
     mode = mode_of(cfg)
+    if mode.data != "pairs" and not cfg.reward.urls:  # scored here: its labels are read from its config alone
+        preflight(cfg.reward)
     if mode.data == "pairs":
         from redteam_grpo.tasks.sft import training_pairs
 

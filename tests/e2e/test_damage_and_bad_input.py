@@ -217,9 +217,15 @@ def test_a_prompt_too_long_for_the_model_fails_at_start_not_iterations_later(tmp
         (("--set", "run.name=[unclosed"), "override 'run.name=[unclosed': the value is not valid YAML"),
         (("--set", "run.seed=18446744073709551616"), "run.seed"),
         (("--set", "training.kl_beta=0.2"), "training.kl_beta: moved to reward.kl_weight"),
+        # read from the scorer's config, before any sampling: no run directory is left
+        (("--set", "reward.toxic_label=toxicity"), "reward.toxic_label 'toxicity' is not a label of"),
     ],
 )
-def test_bad_settings_are_one_line(tmp_path, args, named):
+def test_bad_settings_are_one_line(tmp_path, args, named, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr("redteam_grpo.tasks.resources.load_policy", no_model)
     code, out = _cli("run", *args, "--set", f"run.runs_dir={tmp_path}")
     _one_error_line(code, out, named)
     assert list(tmp_path.iterdir()) == []
