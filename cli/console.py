@@ -17,6 +17,10 @@ import typer
 # logging (at import). Its console and API handlers are separate: raising the console handler's level keeps
 # every record flowing to the Prefect API (UI, `prefect flow-run logs`).
 PREFECT_CONSOLE_LEVEL = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
+# The temporary API server Prefect starts for a run writes to the CLI's console (its stderr is ours): at its shutdown
+# an event flush cut short logs CancelledError tracebacks that say nothing about the run. It reads this variable from
+# the environment it inherits; its records go nowhere else, and a server that fails shows as the client's error.
+PREFECT_SERVER_LEVEL = "PREFECT_SERVER_LOGGING_LEVEL"
 
 VerboseOption = Annotated[
     bool,
@@ -35,8 +39,10 @@ def quiet_libraries(verbose: bool) -> None:
         # Prefect's own console level, also where a quiet command earlier in this process (or its parent's
         # environment) left an override behind; the libraries are left at their defaults.
         os.environ.pop(PREFECT_CONSOLE_LEVEL, None)
+        os.environ.pop(PREFECT_SERVER_LEVEL, None)
         return
     os.environ.setdefault(PREFECT_CONSOLE_LEVEL, "WARNING")  # a level the user set explicitly wins
+    os.environ.setdefault(PREFECT_SERVER_LEVEL, "CRITICAL")
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
 
