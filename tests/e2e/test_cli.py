@@ -192,6 +192,10 @@ def test_sigterm_mid_iteration_stops_within_seconds_and_resume_matches_an_uninte
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs from the uninterrupted run"
+    # byte for byte (metadata in a fixed order too), so comparing two runs' checksums means something
+    for name in (checkpoints.ADAPTER_FILE, checkpoints.OPTIMIZER_FILE):
+        files = [RunDir.open(r).checkpoint_dir(1) / name for r in (tmp_path / "straight", root)]
+        assert sha256_file(files[0]) == sha256_file(files[1]), f"{name} is not the same file in both runs"
 
 
 @pytest.mark.usefixtures("embedded_assets")
