@@ -273,6 +273,7 @@ def test_four_runs_submitted_at_once_queue_on_a_gpu_slot_limit_of_one_and_each_f
         held.append((done[0], done[-1]))
     held.sort()
     assert all(one[1] < next_one[0] for one, next_one in itertools.pairwise(held)), held
+    print("slot held (first to last stage recorded):", *(f"{a[11:19]}-{b[11:19]}" for a, b in held))
     assert _call("GET", f"{api}/v2/concurrency_limits/gpu-load")["active_slots"] == 0
 
 
