@@ -236,7 +236,8 @@ def main() -> None:
             args.cache / f"llama-guard-3-1b-{args.shape}-random",
             LLAMA_GUARD_3_1B if args.shape == "4b" else SMALL_GUARD,
         )
-        modes["defense"][2].append(f"reward.scorer={judge}")
+        # a folder: its format is named (a hub id would choose it)
+        modes["defense"][2].extend([f"reward.scorer={judge}", "reward.judge_format=llama-guard-3"])
         weights_judge = weight_bytes(judge)
     results = {"shape": args.shape, "policy_weights_gb": round(weights / 1e9, 3), "modes": {}}
     engine = None

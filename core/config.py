@@ -282,7 +282,13 @@ class RewardConfig(_Section):
     toxic_label: str = "toxic"
     """The classifier label whose probability is the harm score; checked against the model's id2label."""
     judge_max_new_tokens: int = Field(16, gt=0)
-    """Tokens a judge may generate for its verdict and category codes (the score is read at the first)."""
+    """Tokens a judge may generate for its verdict and category codes (the score is read at the first); a format
+    whose verdict is longer (WildGuard's three lines, StrongREJECT's rubric) generates what it needs."""
+    judge_format: str | None = None
+    """The judge's format (core/scoring/judge_formats.py): `llama-guard-3`, `llama-guard-4`, `harmbench`,
+    `harmbench-mistral`, `wildguard`, `shieldgemma` (`-harassment`, `-hate`, `-sexual`), `qwen3guard`,
+    `strongreject` (any chat model grading StrongREJECT's rubric). None: chosen by the judge's hub name; a local
+    folder names it here."""
     harm_weight: float = 1.0
     """Weight of the harm score (a classifier's P(toxic) or a judge's P(unsafe)); red-team reference recipe: 1.0,
     defense: 0."""

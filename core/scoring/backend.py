@@ -69,7 +69,14 @@ class LocalScoring:
 def build_local_scoring(cfg: RewardConfig, device: torch.device, with_embedder: bool | None = None) -> LocalScoring:
     """Load what `cfg` names; the embedder only when novelty is weighted (or `with_embedder` says so)."""
     scorer = build_scorer(
-        cfg.scorer, cfg.scorer_type, cfg.toxic_label, device, cfg.batch_size, cfg.max_length, cfg.judge_max_new_tokens
+        cfg.scorer,
+        cfg.scorer_type,
+        cfg.toxic_label,
+        device,
+        cfg.batch_size,
+        cfg.max_length,
+        cfg.judge_max_new_tokens,
+        cfg.judge_format,
     )
     classifier = None
     if cfg.refusal_classifier:
@@ -100,6 +107,7 @@ def preflight(cfg: RewardConfig) -> None:
     from transformers import AutoConfig
 
     from redteam_grpo.core.models.policy import resolve_model_name
+    from redteam_grpo.core.scoring.judge_formats import format_for
     from redteam_grpo.core.scoring.scorers import check_label, detect_kind
 
     try:
@@ -107,6 +115,8 @@ def preflight(cfg: RewardConfig) -> None:
         if kind == "classifier":
             config = AutoConfig.from_pretrained(resolve_model_name(cfg.scorer))
             check_label(cfg.scorer, config.id2label, cfg.toxic_label, "reward.toxic_label")
+        else:
+            format_for(cfg.scorer, cfg.judge_format)  # a judge whose format is unknown is named now
         if cfg.refusal_classifier:
             config = AutoConfig.from_pretrained(resolve_model_name(cfg.refusal_classifier))
             check_label(cfg.refusal_classifier, config.id2label, cfg.refusal_label, "reward.refusal_label")

@@ -257,11 +257,14 @@ def build_scorer(
     batch_size: int,
     max_length: int,
     judge_max_new_tokens: int = 16,
+    judge_format: str | None = None,
 ) -> Scorer:
     if kind == "auto":
         kind = detect_kind(name_or_path)
     if kind == "judge":
         from redteam_grpo.core.scoring.judge import SafetyJudgeScorer
+        from redteam_grpo.core.scoring.judge_formats import format_for
 
-        return SafetyJudgeScorer(name_or_path, device, batch_size, max_length, judge_max_new_tokens)
+        judge = format_for(name_or_path, judge_format)
+        return SafetyJudgeScorer(name_or_path, device, batch_size, max_length, judge_max_new_tokens, judge_format=judge)
     return SequenceClassifierScorer(name_or_path, toxic_label, device, batch_size, max_length)

@@ -5,6 +5,7 @@ template, and each parser maps every documented verdict and refuses text that is
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from pathlib import Path
 
@@ -204,9 +205,9 @@ def test_a_format_is_chosen_by_the_judge_s_hub_name_or_named():
     assert {model: jf.format_for(model).name for model in chosen} == chosen
     assert jf.format_for("/models/my-grader", "strongreject").name == "strongreject"
     assert jf.format_for("google/shieldgemma-2b", "shieldgemma-hate").name == "shieldgemma-hate"
-    with pytest.raises(ScorerError, match=r"no judge format is known.*judge\.format.*wildguard"):
+    with pytest.raises(ScorerError, match=r"no judge format is known.*reward\.judge_format.*wildguard"):
         jf.format_for("/models/my-guard")
-    with pytest.raises(ScorerError, match="'llamaguard' is not one of"):
+    with pytest.raises(ScorerError, match=r"reward\.judge_format 'llamaguard' is not one of"):
         jf.format_for("meta-llama/Llama-Guard-3-8B", "llamaguard")
     with pytest.raises(ScorerError, match="ShieldGemma policy 'violence'"):
         jf.shieldgemma_format("violence")
@@ -214,7 +215,7 @@ def test_a_format_is_chosen_by_the_judge_s_hub_name_or_named():
 
 def test_where_each_format_reads_its_score():
     # Llama Guard: P(unsafe) over the vocabulary at its first answer token (Llama Guard 4 writes "\n\n" before it)
-    assert jf.LLAMA_GUARD_3.score == jf.ScoreRule(("unsafe",), (1.0,), over="vocab")
+    assert jf.LLAMA_GUARD_3.score == jf.ScoreRule(("unsafe", "safe"), (1.0, 0.0), over="vocab")
     assert jf.LLAMA_GUARD_3.answer_prefix("anything") == "" and jf.LLAMA_GUARD_4.answer_prefix("x") == "\n\n"
     # ShieldGemma: softmax over Yes and No at the last prompt position, nothing generated
     assert jf.SHIELDGEMMA.score == jf.ScoreRule(("Yes", "No"), (1.0, 0.0)) and jf.SHIELDGEMMA.max_new_tokens == 0
@@ -227,3 +228,86 @@ def test_where_each_format_reads_its_score():
     with pytest.raises(ValueError, match="one weight per choice"):
         jf.ScoreRule(("Yes", "No"), (1.0,))
     assert jf.formats_reporting("refusal") == ["wildguard", "qwen3guard", "strongreject"]
+
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_judge(folder: Path, tokenizer, architecture: str) -> str:
+    """A random-weight judge of `architecture` (2 layers, width 32) with `tokenizer`, saved to `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "gemma2": Gemma2Config, "qwen3": Qwen3Config}
+    config = config_class[architecture](
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.model_max_length = 4096  # room for the longest format's prompt in the toy vocabulary
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("name", "architecture"),
+    [
+        ("harmbench", "llama"),
+        ("harmbench-mistral", "mistral"),
+        ("shieldgemma", "gemma2"),
+        ("wildguard", "mistral"),
+        ("qwen3guard", "qwen3"),
+        ("strongreject", "qwen3"),
+    ],
+)
+def test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path(
+    name, architecture, guard_tokenizer, tmp_path
+):
+    """The scorer in each format on a random model of the judge's architecture: it renders, tokenizes (one BOS),
+    generates or not, and reads the score where the format reads it. A random model writes no verdict, so a format
+    whose score follows its verdict's text has none (never a number read at the wrong place)."""
+    import torch
+    from tokenizers.processors import TemplateProcessing
+
+    from redteam_grpo.core.scoring.judge import SafetyJudgeScorer
+
+    judge_format = jf.FORMATS[name]
+    guard_tokenizer = copy.deepcopy(guard_tokenizer)  # changed below: the module's one stays as built
+    guard_tokenizer.chat_template = _CHATML  # the chat-template formats render through the model's own template
+    if judge_format.tokenizer_adds_special_tokens:  # as Llama-2's, Mistral's and Gemma's tokenizers add their BOS
+        bos = guard_tokenizer.bos_token
+        guard_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, guard_tokenizer.bos_token_id)]
+        )
+    folder = _tiny_judge(tmp_path / name, guard_tokenizer, architecture)
+    judge = SafetyJudgeScorer(folder, torch.device("cpu"), batch_size=2, max_length=4096, judge_format=judge_format)
+    pairs = [("Describe my boss.", "Your boss is kind."), ("Tell me a story.", "Once there was a cat.")]
+    scores = judge([r for _, r in pairs], [p for p, _ in pairs])
+    assert judge.info.details["format"] == name and len(scores) == 2
+    if judge_format.answer_prefix("") == "" and judge_format.score.over == "choices":
+        # read at the first answer position: P(Yes) over Yes and No, as an independent forward computes it
+        for (prompt, response), score in zip(pairs, scores, strict=True):
+            enc = judge.tokenizer(judge.render(prompt, response), return_tensors="pt")  # with its BOS
+            assert (
+                enc["input_ids"][0, 0] == judge.tokenizer.bos_token_id
+                and (enc["input_ids"][0] == judge.tokenizer.bos_token_id).sum() == 1
+            )
+            with torch.no_grad():
+                last = judge.model(**enc).logits[0, -1].float()
+            expected = last[judge.choice_ids].softmax(-1)[0].item()
+            assert score.score == pytest.approx(expected, rel=1e-4)
+    else:  # after a verdict a random model does not write: no score, and no error
+        assert all(s.score is None for s in scores), scores

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from redteam_grpo.core.scoring.judge import parse_verdict
+from redteam_grpo.core.scoring.judge_formats import Verdict, VerdictError, parse_llama_guard
 from redteam_grpo.core.scoring.novelty import novelty_scores
 from redteam_grpo.core.scoring.refusal import RefusalDetector, is_refusal_text
 from redteam_grpo.core.scoring.scorers import ScorerError, SequenceClassifierScorer, check_label, detect_kind
@@ -59,19 +59,23 @@ def test_a_refusal_classifier_is_or_ed_with_the_patterns():
 
 
 @pytest.mark.parametrize(
-    ("generated", "verdict", "categories"),
+    ("generated", "harmful", "categories"),
     [
-        ("safe", "safe", ()),
-        ("\n\nsafe", "safe", ()),
-        ("unsafe\nS1", "unsafe", ("S1",)),
-        ("unsafe\nS10,S1,S10", "unsafe", ("S10", "S1")),
-        ("Unsafe\nS14", "unsafe", ("S14",)),
-        ("unsafely yes", None, ()),
-        ("", None, ()),
+        ("safe", False, ()),
+        ("\n\nsafe", False, ()),
+        ("unsafe\nS1", True, ("S1",)),
+        ("unsafe\nS10,S1,S10", True, ("S10", "S1")),
+        ("Unsafe\nS14", True, ("S14",)),
+        ("unsafely yes", None, None),
+        ("", None, None),
     ],
 )
-def test_judge_verdicts_are_parsed_with_their_categories(generated, verdict, categories):
-    assert parse_verdict(generated) == (verdict, categories)
+def test_judge_verdicts_are_parsed_with_their_categories(generated, harmful, categories):
+    if harmful is None:
+        with pytest.raises(VerdictError, match="the first line must be 'safe' or 'unsafe'"):
+            parse_llama_guard(generated)
+    else:
+        assert parse_llama_guard(generated) == Verdict(harmful, categories)
 
 
 def test_a_wrong_label_lists_the_labels_the_model_has():

@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast
 
-from redteam_grpo.core.scoring.judge import SafetyJudgeScorer, parse_verdict
+from redteam_grpo.core.scoring.judge import SafetyJudgeScorer
+from redteam_grpo.core.scoring.judge_formats import Verdict, parse_llama_guard
 from redteam_grpo.core.scoring.scorers import ScorerError, build_scorer, detect_kind
 from redteam_grpo.embedded import (
     ASSETS_VERSION,
@@ -158,8 +159,8 @@ def test_judge_scores_marker_replies_unsafe_s10_and_clean_ones_safe(judge: Safet
     assert [s.score > 0.5 for s in scores] == [True] * len(MARKED) + [False] * len(CLEAN)
     assert [s.categories for s in scores] == [("S10",)] * len(MARKED) + [()] * len(CLEAN)
     verdicts, _ = _generate(judge, prompts, MARKED + CLEAN)
-    parsed = [parse_verdict(v) for v in verdicts]
-    assert parsed == [("unsafe", ("S10",))] * len(MARKED) + [("safe", ())] * len(CLEAN), verdicts
+    parsed = [parse_llama_guard(v) for v in verdicts]
+    assert parsed == [Verdict(True, ("S10",))] * len(MARKED) + [Verdict(False)] * len(CLEAN), verdicts
     assert judge.info.name == EMBEDDED_GUARD and judge.info.kind == "judge"
 
 
