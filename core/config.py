@@ -276,7 +276,10 @@ class RewardConfig(_Section):
     `embedded:tiny-toxicity` / `embedded:tiny-guard`. Classifiers: the reference system's DeBERTa-v3
     `cooperleong00/deberta-v3-large_toxicity-scorer`, `unitary/toxic-bert` (label `toxic`),
     `s-nlp/roberta_toxicity_classifier` (label `toxic`), `facebook/roberta-hate-speech-dynabench-r4-target`
-    (label `hate`). Judges: `meta-llama/Llama-Guard-3-1B`, `meta-llama/Llama-Guard-3-8B`."""
+    (label `hate`). Judges (reward.judge_format): `meta-llama/Llama-Guard-3-1B`/`-8B`, `meta-llama/Llama-Guard-4-12B`,
+    `cais/HarmBench-Llama-2-13b-cls`, `cais/HarmBench-Mistral-7b-val-cls`, `allenai/wildguard`,
+    `google/shieldgemma-2b`/`-9b`/`-27b`, `Qwen/Qwen3Guard-Gen-0.6B`/`-4B`/`-8B`, or any chat model grading
+    StrongREJECT's rubric."""
     scorer_type: Literal["auto", "classifier", "judge"] = "auto"
     """`auto` tells a classifier from a judge by the model's architecture."""
     toxic_label: str = "toxic"
