@@ -325,6 +325,10 @@ class RewardConfig(_Section):
     the phrase patterns. None: patterns only."""
     refusal_label: str = "REJECTION"
     """The refusal classifier's label that means "refusal"."""
+    refusal_from_judge: bool = False
+    """The judge's own refusal verdict is the refusal flag, in place of the phrase patterns and refusal_classifier
+    (a judge format that reports refusal: `wildguard`, `qwen3guard`, `strongreject`); where it says nothing (N/A,
+    an unreadable verdict) the detector's flag stays."""
     batch_size: int = Field(64, gt=0)
     """Texts per scorer forward."""
     max_length: int = Field(512, gt=0)

@@ -46,9 +46,12 @@ class ScoringBackend(Protocol):
 
 
 class LocalScoring:
-    def __init__(self, scorer: Scorer, refusal: RefusalDetector, embedder=None, refusal_info=None) -> None:
+    def __init__(
+        self, scorer: Scorer, refusal: RefusalDetector, embedder=None, refusal_info=None, refusal_from_judge=False
+    ) -> None:
         self.scorer, self.refusal, self.embedder = scorer, refusal, embedder
         self.refusal_info = refusal_info or {"patterns": True, "classifier": None}
+        self.refusal_from_judge = refusal_from_judge
 
     def describe(self) -> ServiceInfo:
         return ServiceInfo(self.scorer.info, self.embedder.info if self.embedder else None, self.refusal_info)
@@ -58,6 +61,8 @@ class LocalScoring:
         if len(scores) != len(completions):
             raise ScorerError(f"scorer {self.scorer.info.name} returned {len(scores)} scores for {len(completions)}")
         flags = self.refusal(completions)
+        if self.refusal_from_judge:  # the judge's verdict where it gave one
+            flags = [f if s.judge_refusal is None else s.judge_refusal for s, f in zip(scores, flags, strict=True)]
         return [dataclasses.replace(s, refusal=f) for s, f in zip(scores, flags, strict=True)]
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
@@ -93,13 +98,33 @@ def build_local_scoring(cfg: RewardConfig, device: torch.device, with_embedder: 
         "classifier": classifier.info.name if classifier else None,
         "label": cfg.refusal_label if classifier else None,
     }
+    if cfg.refusal_from_judge:
+        check_refusal_from_judge(cfg, scorer.info)
+        refusal_info["judge"] = scorer.info.details["format"]
     detector = RefusalDetector(classifier.probabilities if classifier else None)
     embedder = None
     if with_embedder if with_embedder is not None else cfg.novelty_weight != 0.0:
         from redteam_grpo.core.scoring.novelty import SentenceEmbedder
 
         embedder = SentenceEmbedder(cfg.embedder, device, cfg.batch_size)
-    return LocalScoring(scorer, detector, embedder, refusal_info)
+    return LocalScoring(scorer, detector, embedder, refusal_info, cfg.refusal_from_judge)
+
+
+def check_refusal_from_judge(cfg: RewardConfig, scorer: ModelInfo | None = None) -> None:
+    """reward.refusal_from_judge needs a judge whose format reports refusal; the error names the ones that do."""
+    from redteam_grpo.core.scoring.judge_formats import format_for, formats_reporting
+
+    if scorer is not None and scorer.kind != "judge":
+        problem = "is a classifier"
+    else:
+        judge = format_for(cfg.scorer, cfg.judge_format)
+        if "refusal" in judge.reports:
+            return
+        problem = f"is read in the {judge.name} format, which says nothing of refusals"
+    raise ScorerError(
+        f"reward.refusal_from_judge needs a judge whose verdict says whether a response refuses "
+        f"(reward.judge_format {', '.join(formats_reporting('refusal'))}); reward.scorer {cfg.scorer} {problem}"
+    )
 
 
 def preflight(cfg: RewardConfig) -> None:
@@ -117,6 +142,8 @@ def preflight(cfg: RewardConfig) -> None:
             check_label(cfg.scorer, config.id2label, cfg.toxic_label, "reward.toxic_label")
         else:
             format_for(cfg.scorer, cfg.judge_format)  # a judge whose format is unknown is named now
+        if cfg.refusal_from_judge:
+            check_refusal_from_judge(cfg, ModelInfo(cfg.scorer, "", kind, {}))
         if cfg.refusal_classifier:
             config = AutoConfig.from_pretrained(resolve_model_name(cfg.refusal_classifier))
             check_label(cfg.refusal_classifier, config.id2label, cfg.refusal_label, "reward.refusal_label")

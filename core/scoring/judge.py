@@ -228,7 +228,10 @@ class SafetyJudgeScorer:
                 else:
                     at = answer_position(self.tokenizer, new_ids[row].tolist(), self.format.answer_prefix(verdict))
                     score = None if at is None or at >= len(generated.logits) else self._read(generated.logits[at][row])
-                out.append(TextScore(score, said.categories if said is not None else (), truncated=cut))
+                if said is None:
+                    out.append(TextScore(score, (), truncated=cut))
+                else:
+                    out.append(TextScore(score, said.categories, truncated=cut, judge_refusal=said.refusal))
             if unread:
                 log.warning("%d of %d %s verdicts could not be read", unread, len(verdicts), self.format.name)
         return out

@@ -89,6 +89,9 @@ class TextScore:
     """The response opens as a refusal (core/scoring/refusal.py); set by the scoring service, not by the scorer."""
     truncated: bool = False
     """The scorer saw only the beginning of the text: it was longer than the scorer's maximum length."""
+    judge_refusal: bool | None = None
+    """What a judge whose format reports refusal said of the response (None: nothing); with
+    reward.refusal_from_judge it is the refusal flag (core/scoring/backend.py)."""
 
     @property
     def harm(self) -> float | None:

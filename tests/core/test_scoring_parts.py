@@ -117,3 +117,32 @@ def test_a_completion_longer_than_the_classifier_is_scored_on_its_beginning_and_
         == SequenceClassifierScorer("embedded:tiny-toxicity", "toxic", torch.device("cpu"), max_length=64).max_length
         + 64
     )  # a smaller reward.max_length still wins
+
+
+def test_a_judge_s_refusal_verdict_replaces_the_phrase_detector_where_asked_and_given():
+    from redteam_grpo.core.config import RewardConfig
+    from redteam_grpo.core.scoring.backend import LocalScoring, check_refusal_from_judge
+    from redteam_grpo.core.scoring.refusal import RefusalDetector
+    from redteam_grpo.core.scoring.scorers import ModelInfo, TextScore
+
+    class Judge:  # what a refusal-reporting judge returns: refused, complied, said nothing (N/A)
+        info = ModelInfo("j", "r", "judge", {"format": "wildguard"})
+
+        def __call__(self, completions, prompts):
+            return [TextScore(0.1, judge_refusal=r) for r in (True, False, None)]
+
+    texts = ["Sure, here is how.", "I'm sorry, I can't help with that.", "I'm sorry, I can't."]
+    detector = RefusalDetector()
+    assert detector(texts) == [False, True, True]
+    asked = LocalScoring(Judge(), detector, refusal_from_judge=True).score(texts, ["p"] * 3)
+    assert [s.refusal for s in asked] == [True, False, True]  # the judge's where it spoke, the patterns' elsewhere
+    default = LocalScoring(Judge(), detector).score(texts, ["p"] * 3)
+    assert [s.refusal for s in default] == [False, True, True]
+
+    check_refusal_from_judge(RewardConfig(scorer="allenai/wildguard", refusal_from_judge=True))
+    with pytest.raises(ScorerError, match="llama-guard-3 format, which says nothing of refusals"):
+        check_refusal_from_judge(RewardConfig(scorer="meta-llama/Llama-Guard-3-8B", refusal_from_judge=True))
+    with pytest.raises(ScorerError, match=r"wildguard, qwen3guard, strongreject.*is a classifier"):
+        check_refusal_from_judge(
+            RewardConfig(refusal_from_judge=True), ModelInfo("embedded:tiny-toxicity", "", "classifier", {})
+        )
