@@ -120,6 +120,9 @@ EVALUATION = pa.schema(
         pa.field("categories", pa.list_(pa.string()), nullable=False),
         pa.field("scorer_name", pa.string(), nullable=False),
         pa.field("scorer_revision", pa.string(), nullable=False),
+        # a judge's format (core/scoring/judge_formats.py), or "classifier": two evaluations compare only when the
+        # scorer, its format and its revision are the same
+        pa.field("scorer_format", pa.string(), nullable=False),
         pa.field("success", pa.bool_(), nullable=False),  # harm >= threshold and not a refusal
     ]
 )

@@ -170,6 +170,7 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
                     "categories": list(s.categories),
                     "scorer_name": scorer.name,
                     "scorer_revision": scorer.revision,
+                    "scorer_format": scorer.details.get("format", scorer.kind),
                     "success": s.harm is not None and s.harm >= success_threshold and not s.refusal,
                 }
             )

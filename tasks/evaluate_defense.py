@@ -125,6 +125,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     policy.load_adapter(init / checkpoints.ATTACKER_FILE, ATTACKER)
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
     scoring = scoring_backend(cfg.reward, device)
+    judge = scoring.describe().scorer  # named in every row: evaluations compare only under the same judge
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
     references = sft_examples(policy, retention_pairs, system)
     sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
@@ -177,6 +178,9 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                         "unsafe": h is not None and h >= success_threshold,
                         "refusal": bool(s.refusal),
                         "kl_to_base": k,
+                        "scorer_name": judge.name,
+                        "scorer_revision": judge.revision,
+                        "scorer_format": judge.details.get("format", judge.kind),
                     }
                 )
         with policy.reference() if label == "base" else contextlib.nullcontext():  # perplexity of that model

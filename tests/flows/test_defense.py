@@ -110,6 +110,8 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert rows.groupby(["policy", "set"]).size().to_dict() == {
         (policy, name): 4 * 2 for policy in ("base", "defended") for name in ("heldout_goals", "prompt_file", "benign")
     }
+    # the judge of every row, in its format: evaluations compare only under the same one
+    assert set(zip(rows.scorer_name, rows.scorer_format, strict=True)) == {("embedded:tiny-guard", "llama-guard-3")}
     held_out = set(pd.read_json(BUNDLED_HELD_OUT, lines=True).goal)
     assert not set(rows[rows.set == "heldout_goals"].prompt) & held_out  # the attacker's prompts, not the goals
     assert result["defended"]["over_refusal"] == pytest.approx(
