@@ -151,6 +151,20 @@ BUG_CLASSES = [
         "tests/core/test_advantages.py",
     ),
     (
+        "judge-score-read-off-its-answer",
+        "core/scoring/judge.py",
+        "                    at = answer_position(self.tokenizer, new_ids[row].tolist(), self.format.answer_prefix(verdict))",
+        "                    at = 0",
+        "tests/core/test_judge_formats.py::test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path",
+    ),
+    (
+        "judge-input-bos-missing-or-doubled",
+        "core/scoring/judge.py",
+        "                add_special_tokens=self.format.tokenizer_adds_special_tokens,  # a template may hold its BOS",
+        "                add_special_tokens=False,",
+        "tests/core/test_judge_formats.py::test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path",
+    ),
+    (
         "scorer-input-not-truncated",
         "core/scoring/scorers.py",
         "        self.max_length = input_limit(max_length, self.tokenizer, self.model)",
