@@ -210,7 +210,8 @@ def test_a_ray_worker_killed_mid_shard_costs_that_shard_alone_and_the_rows_are_a
     def kill_mid_second_shard() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and "killed" not in seen:
-            if first.exists() and not second.exists():
+            # the first part recorded (not only written: its worker may still be returning it), the second not yet
+            if run.manifest_path.exists() and run.completed_part(SAMPLE, 0, 0) and not second.exists():
                 workers = _ray_workers_running("sample-shard")
                 if workers:
                     seen["first_written"] = first.stat().st_mtime_ns
