@@ -23,6 +23,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _PROJECT_ERRORS = (
     ("redteam_grpo.core.config", "ConfigError"),
     ("redteam_grpo.core.data.sources", "DataError"),
+    ("redteam_grpo.core.capability", "CapabilityError"),
     ("redteam_grpo.core.models.policy", "PolicyError"),
     ("redteam_grpo.core.scoring.scorers", "ScorerError"),
     ("redteam_grpo.core.rollouts.sampling", "SamplingError"),

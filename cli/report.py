@@ -59,6 +59,11 @@ def evaluation_html(run: RunDir) -> str:
         return '<p id="evaluation">No evaluation yet: <code>redteam-grpo evaluate RUN</code> writes one.</p>'
     frame = pd.read_parquet(str(summaries[-1]))  # a URL (a run on object storage) is read through fsspec
     frame["metric"] = [m if pd.isna(t) else f"{m} @ τ={t:g}" for m, t in zip(frame.metric, frame.tau, strict=True)]
+    if "judge" in frame.columns:  # every attack-success and refusal figure beside the judge whose verdict it counts
+        frame["metric"] = [
+            m if j is None or pd.isna(j) else f"{m} (judge: {j})"
+            for m, j in zip(frame.metric, frame.judge, strict=True)
+        ]
     table = frame.pivot_table(index="metric", columns="policy", values="value", sort=False, dropna=False)
     header = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
     body = "\n".join(

@@ -201,6 +201,11 @@ def evaluate(
             "response_column, id_column, or COLUMN=VALUE to keep matching rows.",
         ),
     ] = _DEFAULTS.retention,
+    capability: Annotated[str | None, _evaluation_option("capability")] = None,
+    capability_limit: Annotated[int | None, _evaluation_option("capability_limit")] = None,
+    transfer_to: Annotated[
+        str | None, _evaluation_option("transfer_to", " Comma-separated: --transfer-to MODEL[,MODEL...].")
+    ] = None,
     verbose: VerboseOption = False,
 ) -> None:
     """A checkpoint against its base model, side by side: attack success, quality@tau and diversity (red-team
@@ -232,6 +237,9 @@ def evaluate(
         prompt_file=prompt_file,
         benign=benign,
         retention=retention,
+        capability=capability,
+        capability_limit=capability_limit,
+        transfer_to=transfer_to or [],
     )
     try:
         with console.status(f"evaluating {run.run_id}: {prompts} prompts x {samples} samples, base and adapter"):
@@ -244,7 +252,8 @@ def evaluate(
     if "held_out" in result:
         rows = [{"policy": policy, **result[policy]} for policy in result["policies"]]
         where = "held-out" if result["held_out"] else "training (no held-out prompts left)"
-        _print_frame(pd.DataFrame(rows), title=f"{run.run_id} {result['checkpoint']} on {where} prompts")
+        title = f"{run.run_id} {result['checkpoint']} on {where} prompts; over-refusal on benign prompts"
+        _print_frame(pd.DataFrame(rows), title=f"{title}\njudge: {result['judge']}")
         redteam = pd.DataFrame(result["redteam"]).pivot(index="tau", columns="policy")
         redteam.columns = [f"{metric} {policy}" for metric, policy in redteam.columns]
         redteam = redteam[[c for c in redteam.columns if not c.startswith("n_successful")]].reset_index()
@@ -262,7 +271,26 @@ def evaluate(
             f"x{checks['perplexity_ratio']:.2f} (limit x{checks['perplexity_limit']:g}): "
             f"{flag[checks['retention_flag']]}"
         )
+    _print_extras(result)
     console.print(f"responses: {result['path']}")
+
+
+def _print_extras(result: dict) -> None:
+    """Cross-attack success (`--transfer-to`) and capability (`--capability`) tables, where asked."""
+    import pandas as pd
+
+    transfer = result.get("transfer")
+    if transfer:
+        rows = [{"target": label, **transfer[label]} for label in transfer["targets"]]
+        _print_frame(
+            pd.DataFrame(rows),
+            title=f"cross-attack success of the {transfer['examples']} adversarial examples above the threshold"
+            f"\njudge: {result['judge']}",
+        )
+    if result.get("capability"):
+        frame = pd.DataFrame(result["capability"]).pivot(index="metric", columns="policy", values="value")
+        frame = frame[[p for p in result["policies"] if p in frame.columns]].reset_index()
+        _print_frame(frame, title="capability (lm-evaluation-harness)")
 
 
 def push_newest(

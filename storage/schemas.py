@@ -110,7 +110,12 @@ EVALUATION = pa.schema(
     [
         pa.field("run_id", pa.string(), nullable=False),
         pa.field("checkpoint", pa.string(), nullable=False),  # the adapter evaluated: "init" | "iter_0003"
-        pa.field("policy", pa.string(), nullable=False),  # "base" (adapter off) | "adapter"
+        # "base" (adapter off) | "adapter" | a transfer target's model name
+        pa.field("policy", pa.string(), nullable=False),
+        # "held_out" (prompts the run did not train on) | "benign" (over-refusal) | "transfer" (the adapter's
+        # successful held-out prompts, answered by each target)
+        pa.field("set", pa.string(), nullable=False),
+        pa.field("target", pa.string(), nullable=False),  # the model that answered (hub id, folder, embedded:*)
         pa.field("prompt_id", pa.string(), nullable=False),
         pa.field("sample_idx", pa.int32(), nullable=False),
         pa.field("prompt", pa.string(), nullable=False),

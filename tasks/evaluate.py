@@ -3,6 +3,7 @@ side by side with the base model (adapter off), sampled with the same seeds and 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from pathlib import Path
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.data.sources import load_prompts
+from redteam_grpo.core.data.sources import DataError, Prompt, load_prompts, parse_source, read_source
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.metrics.redteam import redteam_metrics
 from redteam_grpo.core.models.policy import load_policy, resolve_device
@@ -24,11 +25,24 @@ from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
-from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
+from redteam_grpo.tasks.cross_target import (
+    BENIGN,
+    TRANSFER,
+    Answer,
+    capability_records,
+    capability_suite,
+    check_targets,
+    scored_answers,
+    share,
+    successful_prompts,
+    transfer_answers,
+)
+from redteam_grpo.tasks.engine import BASE, evaluation_sampler
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
 POLICIES = ("base", "adapter")
+HELD_OUT = "held_out"  # the evaluation's own set: prompts the run did not train on
 
 
 class EvaluationError(RuntimeError):
@@ -56,17 +70,53 @@ def summary_path(rows_path: Path) -> Path:
     return rows_path.with_name("summary-" + rows_path.name)
 
 
-def write_summary(rows_path: Path, records: list[dict[str, Any]]) -> Path:
-    """The evaluation's summary as one long table (policy, metric, tau, value): what `report` shows."""
-    table = pa.Table.from_pylist(
-        records,
-        schema=pa.schema(
-            [("policy", pa.string()), ("metric", pa.string()), ("tau", pa.float64()), ("value", pa.float64())]
-        ),
-    )
+SUMMARY = pa.schema(
+    [
+        ("policy", pa.string()),  # a policy of the run, or a transfer target's model name
+        ("metric", pa.string()),
+        ("tau", pa.float64()),
+        ("value", pa.float64()),
+        ("judge", pa.string()),  # the scorer behind an attack-success or refusal figure (`judge_label`), else null
+    ]
+)
+JUDGED = ("attack_success_rate", "harm_mean", "refusal_rate", "over_refusal", "transfer_attack_success_rate", "asr_")
+
+
+def judge_label(scorer: Any) -> str:
+    """`name (format, revision)`: what an attack-success figure means is its judge's verdict."""
+    return f"{scorer.name} ({scorer.details.get('format', scorer.kind)}, {scorer.revision})"
+
+
+def write_summary(rows_path: Path, records: list[dict[str, Any]], judge: str | None = None) -> Path:
+    """The evaluation's summary as one long table (policy, metric, tau, value, judge): what `report` shows. Every
+    judged metric (attack success, harm, refusal, over-refusal) carries `judge`."""
+    for r in records:
+        r.setdefault("tau", math.nan)
+        r["judge"] = judge if r["metric"].startswith(JUDGED) else None
+    table = pa.Table.from_pylist(records, schema=SUMMARY)
     path = summary_path(rows_path)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     return path
+
+
+def prompt_set(source: str, setting: str, column: str, id_column: str | None, limit: int, seed: int) -> list[Prompt]:
+    """At most `limit` prompts of `source` (a `SourceSpec` string), a seeded sample; its `column` and `id_column`
+    options override the defaults given here."""
+    spec = parse_source(source, setting)
+    frame = read_source(spec, setting)
+    column, id_column = spec.column or column, spec.id_column or id_column
+    if column not in frame.columns:
+        raise DataError(
+            f"{setting} {spec.source}: no column {column!r} (columns: {list(frame.columns)}); name the prompt "
+            f"column with {spec.source}?column=NAME"
+        )
+    rows = [r for _, r in frame.iterrows() if isinstance(r[column], str) and r[column].strip()]
+    if not rows:
+        raise DataError(f"{setting} {source} holds no non-empty {column!r}")
+    rows = random.Random(seed).sample(rows, min(limit, len(rows)))
+    return [
+        Prompt(str(r[id_column]) if id_column in frame.columns else f"row{i}", r[column]) for i, r in enumerate(rows)
+    ]
 
 
 def _embedder(cfg: Any, device: Any):
@@ -137,48 +187,68 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         pool = prompts
     chosen = random.Random(seed).sample(pool, min(num_prompts, len(pool)))
 
+    benign = prompt_set(options.benign, "--benign", "prompt", "prompt_id", num_prompts, seed)
+    check_targets(options)
+    suite = capability_suite(options, run.root / "eval" / "lm-eval.log")  # unknown task names refused here
+
     device = resolve_device(cfg.run.device)
     policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
     sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
     scoring = scoring_backend(cfg.reward, device)
     scorer = scoring.describe().scorer
-    rows: list[dict[str, Any]] = []
+    judge = judge_label(scorer)
+
+    def succeeded(score) -> bool:
+        return score.harm is not None and score.harm >= success_threshold and not score.refusal
+
+    system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
+    answered: list[Answer] = []
     for label, who in zip(POLICIES, (BASE, DEFAULT_ROLE), strict=True):
-        answered = answers(
-            sampler,
-            who,
-            policy.tokenizer,
-            chosen,
-            cfg.model.system_prompt,
-            samples_per_prompt,
-            cfg.sampling.max_new_tokens,
-            derive_seed(seed, "evaluate"),  # the same draws for base and adapter
-        )
-        for c, text, s in zip(answered.completions, answered.texts, answered.scored(scoring), strict=True):
-            rows.append(
-                {
-                    "run_id": run.run_id,
-                    "checkpoint": name,
-                    "policy": label,
-                    "prompt_id": answered.prompt_of(c).prompt_id,
-                    "sample_idx": c.sample_idx,
-                    "prompt": answered.prompt_of(c).text,
-                    "completion_text": text,
-                    "harm": s.harm,
-                    "refusal": bool(s.refusal),
-                    "categories": list(s.categories),
-                    "scorer_name": scorer.name,
-                    "scorer_revision": scorer.revision,
-                    "scorer_format": scorer.details.get("format", scorer.kind),
-                    "success": s.harm is not None and s.harm >= success_threshold and not s.refusal,
-                }
+        for set_name, prompts in ((HELD_OUT, chosen), (BENIGN, benign)):
+            sampling_seed = (
+                derive_seed(seed, "evaluate") if set_name == HELD_OUT else derive_seed(seed, "evaluate", BENIGN)
             )
+            answered += scored_answers(
+                label, set_name, cfg.model.policy, sampler, who, policy.tokenizer, prompts, system,
+                samples_per_prompt, max_new, sampling_seed, scoring,
+            )  # fmt: skip
+    # the adversarial examples: held-out prompts the trained model was made to answer unsafely
+    examples = successful_prompts([a for a in answered if a.policy == "adapter" and a.set == HELD_OUT], succeeded)
+    trained_against = [("adapter", sampler, DEFAULT_ROLE, policy.tokenizer)]
+    answered += transfer_answers(cfg, options, device, examples, trained_against, benign, scoring)
+    rows = [
+        {
+            "run_id": run.run_id,
+            "checkpoint": name,
+            "policy": a.policy,
+            "set": a.set,
+            "target": a.target,
+            "prompt_id": a.prompt.prompt_id,
+            "sample_idx": a.completion.sample_idx,
+            "prompt": a.prompt.text,
+            "completion_text": a.text,
+            "harm": a.score.harm,
+            "refusal": bool(a.score.refusal),
+            "categories": list(a.score.categories),
+            "scorer_name": scorer.name,
+            "scorer_revision": scorer.revision,
+            "scorer_format": scorer.details.get("format", scorer.kind),
+            "success": succeeded(a.score),
+        }
+        for a in answered
+    ]
     table = schemas.to_table({k: [r[k] for r in rows] for k in schemas.EVALUATION.names}, schemas.EVALUATION, "eval")
     path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
-    redteam = redteam_rows(rows, cfg, device, seed)
+    held_out_rows = [r for r in rows if r["set"] == HELD_OUT]
+    redteam = redteam_rows(held_out_rows, cfg, device, seed)
+    targets = list(options.transfer_to)
+
+    def refused(score) -> bool:
+        return bool(score.refusal)
+
     summary = {
         "run_id": run.run_id,
         "checkpoint": name,
@@ -186,20 +256,56 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         "prompts": len(chosen),
         "samples_per_prompt": samples_per_prompt,
         "held_out": held_out,
+        "judge": judge,
         "policies": list(POLICIES),
-        **{label: rates([r for r in rows if r["policy"] == label]) for label in POLICIES},
+        **{
+            label: {
+                **rates([r for r in held_out_rows if r["policy"] == label]),
+                "over_refusal": share(answered, label, BENIGN, refused),
+            }
+            for label in POLICIES
+        },
         "redteam": redteam,
+        "transfer": {
+            "examples": len(examples),
+            "targets": ["adapter", *targets],
+            **{
+                label: {
+                    "transfer_attack_success_rate": share(answered, label, TRANSFER, succeeded),
+                    "over_refusal": share(answered, label, BENIGN, refused),
+                }
+                for label in ["adapter", *targets]
+            },
+        }
+        if targets
+        else None,
     }
-    summary_records = [
-        {"policy": label, "metric": metric, "tau": math.nan, "value": value}
-        for label in POLICIES
-        for metric, value in summary[label].items()
-    ] + [
-        {"policy": r["policy"], "metric": metric, "tau": r["tau"], "value": float(r[metric])}
-        for r in redteam
-        for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
-    ]
-    write_summary(path, summary_records)
+    capability = capability_records(
+        suite, [("base", policy.reference()), ("adapter", contextlib.nullcontext())], policy
+    )
+    summary["capability"] = capability
+    summary_records = (
+        [
+            {"policy": label, "metric": metric, "value": value}
+            for label in POLICIES
+            for metric, value in summary[label].items()
+        ]
+        + [
+            {"policy": r["policy"], "metric": metric, "tau": r["tau"], "value": float(r[metric])}
+            for r in redteam
+            for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
+        ]
+        + capability
+    )
+    if summary["transfer"] is not None:
+        summary_records.append({"policy": "adapter", "metric": "transfer_examples", "value": float(len(examples))})
+        summary_records += [
+            {"policy": label, "metric": metric, "value": value}
+            for label in summary["transfer"]["targets"]
+            for metric, value in summary["transfer"][label].items()
+            if not (label == "adapter" and metric == "over_refusal")  # the adapter's is in its own rates
+        ]
+    write_summary(path, summary_records, judge)
     log.info(
         "%s %s: attack success %.3f (base %.3f), harm %.3f (base %.3f) on %d prompts x %d",
         run.run_id,

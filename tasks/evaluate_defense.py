@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 from typing import Any
 
 import pandas as pd
@@ -40,8 +39,17 @@ from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
+from redteam_grpo.tasks.cross_target import (
+    BENIGN,
+    TRANSFER,
+    capability_records,
+    capability_suite,
+    check_targets,
+    share,
+    transfer_answers,
+)
 from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
-from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, write_summary
+from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, judge_label, prompt_set, write_summary
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.score import policy_terms
 from redteam_grpo.tasks.scoring import scoring_backend
@@ -73,26 +81,6 @@ def defense_checks(base: dict[str, float], defended: dict[str, float], margin: f
     }
 
 
-def _texts(source: str, setting: str, column: str, id_column: str | None, limit: int, seed: int) -> list[Prompt]:
-    """At most `limit` prompts of `source` (a `SourceSpec` string), a seeded sample; its `column` and `id_column`
-    options override the defaults given here."""
-    spec = parse_source(source, setting)
-    frame = read_source(spec, setting)
-    column, id_column = spec.column or column, spec.id_column or id_column
-    if column not in frame.columns:
-        raise DataError(
-            f"{setting} {spec.source}: no column {column!r} (columns: {list(frame.columns)}); name the prompt "
-            f"column with {spec.source}?column=NAME"
-        )
-    rows = [r for _, r in frame.iterrows() if isinstance(r[column], str) and r[column].strip()]
-    if not rows:
-        raise DataError(f"{setting} {source} holds no non-empty {column!r}")
-    rows = random.Random(seed).sample(rows, min(limit, len(rows)))
-    return [
-        Prompt(str(r[id_column]) if id_column in frame.columns else f"row{i}", r[column]) for i, r in enumerate(rows)
-    ]
-
-
 @task(name="evaluate-defense", cache_policy=NO_CACHE)
 def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     """Evaluate the defender after `options.iteration` (default: the newest checkpoint) against its base; write
@@ -113,10 +101,12 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     iteration = choose_checkpoint(run, iteration)
     name = checkpoint_name(iteration)
     # the sets first: a wrong name, column or filter is reported before any model loads
-    goals = _texts(heldout_goals, "--heldout-goals", cfg.data.prompt_column, cfg.data.id_column, num_prompts, seed)
-    fixed = _texts(prompt_file, "--prompt-file", "prompt", "prompt_id", num_prompts, seed)
-    benign_rows = _texts(benign, "--benign", "prompt", "prompt_id", num_prompts, seed)
+    goals = prompt_set(heldout_goals, "--heldout-goals", cfg.data.prompt_column, cfg.data.id_column, num_prompts, seed)
+    fixed = prompt_set(prompt_file, "--prompt-file", "prompt", "prompt_id", num_prompts, seed)
+    benign_rows = prompt_set(benign, "--benign", "prompt", "prompt_id", num_prompts, seed)
     retention_pairs = _retention_pairs(retention)
+    check_targets(options)
+    suite = capability_suite(options, run.root / "eval" / "lm-eval.log")  # unknown task names refused here
     device = resolve_device(cfg.run.device)
     policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
     policy.add_role(ATTACKER)
@@ -126,6 +116,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
     scoring = scoring_backend(cfg.reward, device)
     judge = scoring.describe().scorer  # named in every row: evaluations compare only under the same judge
+    judged_by = judge_label(judge)
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
     references = sft_examples(policy, retention_pairs, system)
     sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
@@ -170,6 +161,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                         "checkpoint": name,
                         "policy": label,
                         "set": set_name,
+                        "target": cfg.model.policy,
                         "prompt_id": prompts[c.prompt_index].prompt_id,
                         "sample_idx": c.sample_idx,
                         "prompt": prompts[c.prompt_index].text,
@@ -185,6 +177,51 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                 )
         with policy.reference() if label == "base" else contextlib.nullcontext():  # perplexity of that model
             summary[label] = _summary(rows, label, policy, references, cfg)
+
+    def unsafe(score) -> bool:
+        return score.harm is not None and score.harm >= success_threshold
+
+    # the adversarial examples: the attacker's prompts the base (the target it was written against) answered unsafely
+    unsafe_on_base = {
+        r["prompt_id"] for r in rows if r["policy"] == "base" and r["set"] == "heldout_goals" and r["unsafe"]
+    }
+    examples = [p for p in attacked if p.prompt_id in unsafe_on_base]
+    trained_against = [
+        (label, sampler, BASE if label == "base" else DEFAULT_ROLE, policy.tokenizer) for label in POLICIES
+    ]
+    transferred = transfer_answers(cfg, options, device, examples, trained_against, benign_rows, scoring)
+    for a in transferred:
+        rows.append(
+            {
+                "run_id": run.run_id,
+                "checkpoint": name,
+                "policy": a.policy,
+                "set": a.set,
+                "target": a.target,
+                "prompt_id": a.prompt.prompt_id,
+                "sample_idx": a.completion.sample_idx,
+                "prompt": a.prompt.text,
+                "response": a.text,
+                "harm": a.score.harm,
+                "unsafe": unsafe(a.score),
+                "refusal": bool(a.score.refusal),
+                "kl_to_base": math.nan,
+                "scorer_name": judge.name,
+                "scorer_revision": judge.revision,
+                "scorer_format": judge.details.get("format", judge.kind),
+            }
+        )
+    targets = list(options.transfer_to)
+    transfer = None
+    if targets:
+        transfer = {"examples": len(examples), "targets": [*POLICIES, *targets]}
+        for label in transfer["targets"]:
+            transfer[label] = {"transfer_attack_success_rate": share(transferred, label, TRANSFER, unsafe)}
+            if label in targets:
+                transfer[label]["over_refusal"] = share(transferred, label, BENIGN, lambda s: bool(s.refusal))
+    capability = capability_records(
+        suite, [("base", policy.reference()), ("defended", contextlib.nullcontext())], policy
+    )
     path = (
         run.root
         / "eval"
@@ -201,7 +238,19 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
             for label in POLICIES
             for metric, value in summary[label].items()
         ]
-        + [{"policy": "checks", "metric": k, "tau": math.nan, "value": float(v)} for k, v in checks.items()],
+        + [{"policy": "checks", "metric": k, "tau": math.nan, "value": float(v)} for k, v in checks.items()]
+        + capability
+        + (
+            [{"policy": "base", "metric": "transfer_examples", "value": float(len(examples))}]
+            + [
+                {"policy": label, "metric": metric, "value": value}
+                for label in transfer["targets"]
+                for metric, value in transfer[label].items()
+            ]
+            if transfer
+            else []
+        ),
+        judged_by,
     )
     result = {
         "run_id": run.run_id,
@@ -211,6 +260,9 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         "attacker": attacker_info.get("source"),
         "policies": list(POLICIES),
         "checks": checks,
+        "judge": judged_by,
+        "transfer": transfer,
+        "capability": capability,
         **summary,
     }
     stage_logger().info(

@@ -163,6 +163,36 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     with pytest.raises(DataError, match=r"--retention .*: no column 'response' .*response_column=REPLY"):
         evaluate(str(run.root), EvaluationOptions(num_prompts=4, retention=f"{xstest}"), artifacts=False)
 
+    # transfer: the attacker's prompts the base answered unsafely, sent to another target beside base and defender;
+    # capability: an lm-eval task on base and defender
+    other = "embedded:tiny-qwen3"
+    options = EvaluationOptions(
+        samples_per_prompt=2,
+        num_prompts=8,
+        transfer_to=[other],
+        capability="lm-eval:embedded_replies",
+        capability_limit=8,
+    )
+    crossed = evaluate(str(run.root), options, artifacts=False)
+    crossed_rows = pd.read_parquet(crossed["path"])
+    attacked = crossed_rows[(crossed_rows.set == "heldout_goals") & (crossed_rows.policy == "base")]
+    examples = set(attacked[attacked.unsafe].prompt_id)
+    assert examples and examples != set(attacked.prompt_id), "the choice of examples is not checked"
+    sent = crossed_rows[crossed_rows.set == "transfer"]
+    assert sorted(sent.policy.unique()) == sorted(["base", "defended", other])
+    for label, rows in sent.groupby("policy"):
+        assert set(rows.prompt_id) == examples and len(rows) == 2 * len(examples)
+        assert crossed["transfer"][label]["transfer_attack_success_rate"] == pytest.approx(rows.unsafe.mean())
+    assert set(sent[sent.policy == other].target) == {other}
+    other_benign = crossed_rows[(crossed_rows.set == "benign") & (crossed_rows.policy == other)]
+    assert crossed["transfer"][other]["over_refusal"] == pytest.approx(other_benign.refusal.mean())
+    capability = {(r["policy"], r["metric"]): r["value"] for r in crossed["capability"]}
+    assert set(capability) == {(p, f"embedded_replies {m}") for p in ("base", "defended") for m in ("acc", "acc_norm")}
+    assert all(0.0 <= v <= 1.0 for v in capability.values())
+    page = write_report(run).read_text()
+    assert f"transfer_attack_success_rate (judge: {crossed['judge']})" in page and other in page
+    assert "embedded_replies acc" in page
+
 
 def _evaluated(run: RunDir) -> dict:
     return evaluate(str(run.root), EvaluationOptions(samples_per_prompt=4, num_prompts=28), artifacts=False)
