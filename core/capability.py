@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -78,12 +79,14 @@ def bundled_task(data_file: Path) -> dict[str, Any]:
 def _stderr_to(log: Path) -> Iterator[None]:
     """lm-eval's progress bars, warnings and `git describe` go to `log`, not to the console a person reads."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
     saved = os.dup(2)
-    with open(log, "ab") as sink:
+    with open(log, "a", encoding="utf-8") as sink, contextlib.redirect_stderr(sink):  # Python's writes and fd 2's
         os.dup2(sink.fileno(), 2)
         try:
             yield
         finally:
+            sink.flush()
             os.dup2(saved, 2)
             os.close(saved)
 

@@ -149,8 +149,9 @@ def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir
     code, out = _cli("evaluate", run_dir, "--prompts", "2", "--samples", "2")
     assert code == 0, out
     (written,) = (run_dir / "eval").glob("iter_0001-*.parquet")
-    frame = pd.read_parquet(written)
-    assert len(frame) == 2 * 2 * 2
+    every = pd.read_parquet(written)
+    assert len(every) == 2 * 2 * 2 * 2  # held-out and benign prompts, base and adapter
+    frame = every[every.set == "held_out"]
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["adapter"])}
     for policy in ("base", "adapter"):
         assert float(rows[policy][1]) == pytest.approx(frame[frame.policy == policy].success.mean(), abs=1e-4)
@@ -159,6 +160,26 @@ def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir
     # the defense sets do not apply to a red-team run: refused by name, as a defense run refuses a bad one
     code, out = _cli("evaluate", run_dir, "--prompt-file", "x?subset=")
     assert code == 2 and "--prompt-file: for defense runs only" in out and "Traceback" not in out, out
+
+
+def test_evaluate_shows_cross_attack_success_and_capability_beside_the_judge(run_dir):
+    other = "embedded:tiny-qwen3-safe"
+    args = ["evaluate", run_dir, "--prompts", "3", "--samples", "2", "--threshold", "0.01", "--seed", "3"]
+    extras = ["--capability", "lm-eval:embedded_replies", "--capability-limit", "8", "--transfer-to", other]
+    code, out = _cli(*args, *extras)
+    assert code == 0, out
+    assert "judge: embedded:tiny-toxicity (classifier, " in out
+    assert "cross-attack success of the" in out and "capability (lm-evaluation-harness)" in out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    assert len(lines[other]) == 3  # the other target: its cross-attack success and its over-refusal
+    assert len(lines["embedded_replies"]) >= 3 and "Traceback" not in out and "lm_eval" not in out
+    # bad values: one line each, naming the option and the way out, before any model loads
+    code, out = _cli(*args, "--capability", "olmes:arc")
+    assert code == 2 and "--capability" in out and "the suite is lm-eval" in out, out
+    code, out = _cli(*args, "--capability", "lm-eval:no_such_task")
+    assert code == 2 and "no_such_task: not an lm-eval task" in out and "Traceback" not in out, out
+    code, out = _cli(*args, "--transfer-to", "/no/such/model")
+    assert code == 2 and "--transfer-to=/no/such/model: no such folder" in out and "Traceback" not in out, out
 
 
 def test_list_columns_are_json_in_csv(run_dir, tmp_path):
