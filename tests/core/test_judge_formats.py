@@ -242,7 +242,7 @@ def _tiny_judge(folder: Path, tokenizer, architecture: str) -> str:
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, MistralConfig, Qwen3Config
 
     config_class = {"llama": LlamaConfig, "mistral": MistralConfig, "gemma2": Gemma2Config, "qwen3": Qwen3Config}
-    config = config_class[architecture](
+    text = dict(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -256,7 +256,15 @@ def _tiny_judge(folder: Path, tokenizer, architecture: str) -> str:
         pad_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    if architecture == "llama4":  # Llama Guard 4 is an image-text checkpoint: its text model is the judge
+        from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+        vision |= dict(patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+        text |= dict(intermediate_size_mlp=64, num_local_experts=1, num_experts_per_tok=1)
+        Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).save_pretrained(folder)
+    else:
+        AutoModelForCausalLM.from_config(config_class[architecture](**text)).save_pretrained(folder)
     tokenizer.model_max_length = 4096  # room for the longest format's prompt in the toy vocabulary
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -267,6 +275,7 @@ def _tiny_judge(folder: Path, tokenizer, architecture: str) -> str:
     [
         ("harmbench", "llama"),
         ("harmbench-mistral", "mistral"),
+        ("llama-guard-4", "llama4"),
         ("shieldgemma", "gemma2"),
         ("wildguard", "mistral"),
         ("qwen3guard", "qwen3"),
@@ -297,6 +306,14 @@ def test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path(
     pairs = [("Describe my boss.", "Your boss is kind."), ("Tell me a story.", "Once there was a cat.")]
     scores = judge([r for _, r in pairs], [p for p, _ in pairs])
     assert judge.info.details["format"] == name and len(scores) == 2
+    if architecture == "llama4":  # the judge is the checkpoint's own text model, every weight loaded, none re-drawn
+        from transformers import Llama4ForConditionalGeneration
+
+        full = Llama4ForConditionalGeneration.from_pretrained(folder).eval()
+        ids = judge.tokenizer(judge.render(*pairs[0]), return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            expected = full.language_model(input_ids=ids).logits  # its Llama4ForCausalLM, as saved
+            assert torch.equal(judge.model(input_ids=ids).logits, expected)
     if judge_format.answer_prefix("") == "" and judge_format.score.over == "choices":
         # read at the first answer position: P(Yes) over Yes and No, as an independent forward computes it
         for (prompt, response), score in zip(pairs, scores, strict=True):
