@@ -213,7 +213,8 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, dep
     _work_off(api, env, [evaluation])
     (written,) = (weekly.root / "eval").glob("iter_0000-*.parquet")
     table = pq.read_table(written)
-    assert table.num_rows == 2 * 2 * 2 and set(table.column("policy").to_pylist()) == {"base", "adapter"}
+    # held-out and benign prompts, base and adapter
+    assert table.num_rows == 2 * 2 * 2 * 2 and set(table.column("policy").to_pylist()) == {"base", "adapter"}
 
     # Defense mode through its deployments: sft -> defense (the SFT run as attacker) -> evaluation.
     sft = _trigger(
