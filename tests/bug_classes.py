@@ -165,6 +165,20 @@ BUG_CLASSES = [
         "tests/core/test_judge_formats.py::test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path",
     ),
     (
+        "judge-prompt-not-its-reference",
+        "core/scoring/judge_formats.py",
+        'HARMBENCH_LLAMA2_PROMPT = f"[INST] <<SYS>>\\n{_HARMBENCH_TASK}\\n<</SYS>>\\n\\n{_BEHAVIOR_AND_GENERATION}{_HARMBENCH_RULES}"',
+        'HARMBENCH_LLAMA2_PROMPT = f"[INST]<<SYS>>\\n{_HARMBENCH_TASK}\\n<</SYS>>\\n\\n{_BEHAVIOR_AND_GENERATION}{_HARMBENCH_RULES}"',
+        "tests/core/test_judge_formats.py::test_each_fixed_prompt_is_its_reference_byte_for_byte",
+    ),
+    (
+        "judge-verdict-fields-misread",
+        "core/scoring/judge_formats.py",
+        "    request, refusal, harmful = ({",
+        "    refusal, request, harmful = ({",
+        "tests/core/test_judge_formats.py::test_each_documented_verdict_is_read_as_its_format_means_it",
+    ),
+    (
         "scorer-input-not-truncated",
         "core/scoring/scorers.py",
         "        self.max_length = input_limit(max_length, self.tokenizer, self.model)",
