@@ -124,8 +124,17 @@ def publish_evaluation(summary: dict[str, Any]) -> None:
     create_table_artifact(
         [{"policy": policy, **{k: _number(v) for k, v in summary[policy].items()}} for policy in summary["policies"]],
         key=artifact_key(rid, "evaluation"),
-        description=f"Run {rid}, checkpoint {name}: {summary['samples_per_prompt']} samples per prompt",
+        description=f"Run {rid}, checkpoint {name}: {summary['samples_per_prompt']} samples per prompt; judge: "
+        f"{summary['judge']}",
     )
+    transfer = summary.get("transfer")
+    if transfer:  # cross-attack success, each target beside the trained-against one
+        create_table_artifact(
+            [{"target": label, **{k: _number(v) for k, v in transfer[label].items()}} for label in transfer["targets"]],
+            key=artifact_key(rid, "transfer"),
+            description=f"Run {rid}, checkpoint {name}: the {transfer['examples']} adversarial examples above the "
+            f"threshold sent to other targets; judge: {summary['judge']}",
+        )
     create_link_artifact(
         uri(location(summary["path"])),
         link_text=f"{rid} {name}: evaluation Parquet",

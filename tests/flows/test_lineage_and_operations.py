@@ -129,7 +129,7 @@ def test_transfer_sends_the_adapters_successful_prompts_to_each_other_target(lin
     _, (_, second) = lineage
     other = "embedded:tiny-qwen3-safe"
     options = EvaluationOptions(num_prompts=6, samples_per_prompt=2, success_threshold=0.01, transfer_to=[other])
-    result = evaluate(str(second.root), options, artifacts=False)
+    result = evaluate(str(second.root), options)
     every = pd.read_parquet(result["path"])
     held_out = every[(every.set == "held_out") & (every.policy == "adapter")]
     examples = set(held_out[held_out.success].prompt_id)
@@ -154,6 +154,10 @@ def test_transfer_sends_the_adapters_successful_prompts_to_each_other_target(lin
     )
     assert figures.judge[other, "transfer_attack_success_rate"] == result["judge"]
     assert figures.judge[other, "over_refusal"] == result["judge"]
+    # the Prefect UI shows the same figures and names the judge
+    (published,) = _artifacts(artifact_key("gen1", "transfer"))[-1:]
+    assert result["judge"] in published.description and other in json.dumps(published.data)
+    assert result["judge"] in _artifacts(artifact_key("gen1", "evaluation"))[-1].description
 
 
 def test_a_retried_retraining_flow_run_resumes_its_run_instead_of_starting_another(tmp_path, monkeypatch):
