@@ -261,7 +261,7 @@ def evaluate(
     else:  # defense: metrics as rows, base and defended side by side
         frame = pd.DataFrame({policy: result[policy] for policy in result["policies"]})
         frame.insert(0, "metric", frame.index)
-        _print_frame(frame, title=f"{run.run_id} {result['checkpoint']}: defended vs base")
+        _print_frame(frame, title=f"{run.run_id} {result['checkpoint']}: defended vs base\njudge: {result['judge']}")
         checks = result["checks"]
         flag = {True: "[red]FLAGGED[/red]", False: "ok"}
         console.print(

@@ -217,8 +217,11 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         transfer = {"examples": len(examples), "targets": [*POLICIES, *targets]}
         for label in transfer["targets"]:
             transfer[label] = {"transfer_attack_success_rate": share(transferred, label, TRANSFER, unsafe)}
-            if label in targets:
-                transfer[label]["over_refusal"] = share(transferred, label, BENIGN, lambda s: bool(s.refusal))
+            transfer[label]["over_refusal"] = (
+                share(transferred, label, BENIGN, lambda s: bool(s.refusal))
+                if label in targets
+                else summary[label]["over_refusal"]
+            )
     capability = capability_records(
         suite, [("base", policy.reference()), ("defended", contextlib.nullcontext())], policy
     )
@@ -246,6 +249,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                 {"policy": label, "metric": metric, "value": value}
                 for label in transfer["targets"]
                 for metric, value in transfer[label].items()
+                if not (label in POLICIES and metric == "over_refusal")  # theirs are in their own rows
             ]
             if transfer
             else []
