@@ -118,6 +118,17 @@ class CapabilitySuite:
             )
         with resources.as_file(resources.files("redteam_grpo.core.resources") / "embedded_replies.jsonl") as data:
             self.specs = [bundled_task(Path(data)) if t == BUNDLED_TASK else t for t in tasks]
+        for name, spec in zip(tasks, self.specs, strict=True):  # each task's dataset, before any model is scored
+            try:
+                with _stderr_to(log):
+                    self.task_manager.load([spec])
+            except Exception as exc:  # datasets' errors have no common base; the message names the one it was
+                raise CapabilityError(
+                    f"--capability: the dataset of lm-eval task {name} could not be loaded ({type(exc).__name__}: "
+                    f"{exc}). Runs are offline by default and read datasets from the Hugging Face datasets cache: "
+                    f"fetch it there once on a machine that reaches the hub (`lm-eval run --tasks {name} --limit 1`"
+                    ", any model), or leave the task out"
+                ) from None
 
     def scores(self, model: Any, tokenizer: Any) -> dict[str, dict[str, float]]:
         """{task: {metric: value}} of `model` as it is now (adapters on or off as the caller set them)."""

@@ -67,4 +67,7 @@ def test_an_unknown_suite_or_task_is_refused_with_the_way_out(tmp_path):
         EvaluationOptions(capability="arc_easy")
     with pytest.raises(CapabilityError, match=r"no_such_task: not an lm-eval task \(`lm-eval ls tasks`"):
         CapabilitySuite([BUNDLED_TASK, "no_such_task"], tmp_path / "lm-eval.log")
+    # a real task whose dataset is not in the cache (and no network here): refused by name, with the way out
+    with pytest.raises(CapabilityError, match=r"the dataset of lm-eval task arc_easy could not be loaded .*cache"):
+        CapabilitySuite(["arc_easy"], tmp_path / "lm-eval.log")
     assert EvaluationOptions(transfer_to="a/b, c").transfer_to == ["a/b", "c"]
