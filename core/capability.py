@@ -105,7 +105,7 @@ class CapabilitySuite:
     """The requested tasks, resolved once (unknown names refused before any model is scored), run on any model."""
 
     def __init__(self, tasks: list[str], log: Path, limit: int | None = None, batch_size: int = 8):
-        self.tasks, self.log, self.limit, self.batch_size = tasks, log, limit, batch_size
+        self.log, self.limit, self.batch_size = log, limit, batch_size
         self._evaluate, self._model_class, task_manager = _harness()
         others = [t for t in tasks if t != BUNDLED_TASK]
         with _stderr_to(log):

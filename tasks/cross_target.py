@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,40 @@ class Answer:
     completion: Completion
     text: str
     score: TextScore
+
+    def columns(self, text_column: str) -> dict[str, Any]:
+        """The columns every evaluation row of an answer has; `text_column` names the answer's text."""
+        return {
+            "policy": self.policy,
+            "set": self.set,
+            "target": self.target,
+            "prompt_id": self.prompt.prompt_id,
+            "sample_idx": self.completion.sample_idx,
+            "prompt": self.prompt.text,
+            text_column: self.text,
+            "harm": self.score.harm,
+            "refusal": bool(self.score.refusal),
+        }
+
+
+def refused(score: TextScore) -> bool:
+    return bool(score.refusal)
+
+
+def scorer_columns(scorer: Any) -> dict[str, str]:
+    """The scorer behind a row: its name, revision and format (a judge's, or "classifier"): two evaluations compare
+    only when these are the same."""
+    return {
+        "scorer_name": scorer.name,
+        "scorer_revision": scorer.revision,
+        "scorer_format": scorer.details.get("format", scorer.kind),
+    }
+
+
+def judge_label(scorer: Any) -> str:
+    """`name (format, revision)`: what an attack-success figure means is its judge's verdict."""
+    columns = scorer_columns(scorer)
+    return f"{columns['scorer_name']} ({columns['scorer_format']}, {columns['scorer_revision']})"
 
 
 def scored_answers(
@@ -128,6 +163,39 @@ def share(answers_: list[Answer], label: str, set_name: str, succeeded: Callable
     return sum(chosen) / len(chosen) if chosen else float("nan")
 
 
+def transfer_summary(
+    transferred: list[Answer],
+    examples: list[Prompt],
+    own: dict[str, float],
+    targets: list[str],
+    succeeded: Callable[[TextScore], bool],
+) -> dict[str, Any] | None:
+    """Cross-attack success of each trained-against policy (`own`: its label → its over-refusal, measured with the
+    run's own sets) and of each other target, with its over-refusal; None when no target was asked for."""
+    if not targets:
+        return None
+    summary: dict[str, Any] = {"examples": len(examples), "targets": [*own, *targets]}
+    for label in summary["targets"]:
+        summary[label] = {
+            "transfer_attack_success_rate": share(transferred, label, TRANSFER, succeeded),
+            "over_refusal": own[label] if label in own else share(transferred, label, BENIGN, refused),
+        }
+    return summary
+
+
+def transfer_records(transfer: dict[str, Any] | None, own: list[str]) -> list[dict[str, Any]]:
+    """The summary records of a `transfer_summary`, the examples' count under the first of `own`; the over-refusal
+    of a trained-against policy (`own`) is left out, being in its own rows already."""
+    if transfer is None:
+        return []
+    return [{"policy": own[0], "metric": "transfer_examples", "value": float(transfer["examples"])}] + [
+        {"policy": label, "metric": metric, "value": value}
+        for label in transfer["targets"]
+        for metric, value in transfer[label].items()
+        if not (label in own and metric == "over_refusal")
+    ]
+
+
 def check_targets(options: EvaluationOptions) -> None:
     """Every transfer target can be loaded (a folder that exists, a hub id reachable or cached): before any work."""
     for name in options.transfer_to:
@@ -141,13 +209,13 @@ def capability_suite(options: EvaluationOptions, log: Path) -> CapabilitySuite |
     return CapabilitySuite(parse_capability(options.capability), log, options.capability_limit)
 
 
-def capability_records(suite: CapabilitySuite | None, policies: list[tuple[str, Any]], policy: Policy):
-    """Summary records (policy, metric, value) of the lm-eval tasks for each (label, context) of `policies`: the
-    context sets the adapters (the base: `policy.reference()`)."""
+def capability_records(suite: CapabilitySuite | None, policy: Policy, trained: str) -> list[dict[str, Any]]:
+    """Summary records (policy, metric, value) of the lm-eval tasks for the base (every adapter off) and the trained
+    model (labelled `trained`, its adapter as loaded)."""
     if suite is None:
         return []
     records = []
-    for label, context in policies:
+    for label, context in (("base", policy.reference()), (trained, contextlib.nullcontext())):
         with context:
             scores = suite.scores(policy.model, policy.tokenizer)
         records += [

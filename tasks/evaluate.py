@@ -3,7 +3,6 @@ side by side with the base model (adapter off), sampled with the same seeds and 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from pathlib import Path
@@ -27,15 +26,19 @@ from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
 from redteam_grpo.tasks.cross_target import (
     BENIGN,
-    TRANSFER,
     Answer,
     capability_records,
     capability_suite,
     check_targets,
+    judge_label,
+    refused,
     scored_answers,
+    scorer_columns,
     share,
     successful_prompts,
     transfer_answers,
+    transfer_records,
+    transfer_summary,
 )
 from redteam_grpo.tasks.engine import BASE, evaluation_sampler
 from redteam_grpo.tasks.logs import stage_logger
@@ -80,11 +83,6 @@ SUMMARY = pa.schema(
     ]
 )
 JUDGED = ("attack_success_rate", "harm_mean", "refusal_rate", "over_refusal", "transfer_attack_success_rate", "asr_")
-
-
-def judge_label(scorer: Any) -> str:
-    """`name (format, revision)`: what an attack-success figure means is its judge's verdict."""
-    return f"{scorer.name} ({scorer.details.get('format', scorer.kind)}, {scorer.revision})"
 
 
 def write_summary(rows_path: Path, records: list[dict[str, Any]], judge: str | None = None) -> Path:
@@ -221,19 +219,9 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         {
             "run_id": run.run_id,
             "checkpoint": name,
-            "policy": a.policy,
-            "set": a.set,
-            "target": a.target,
-            "prompt_id": a.prompt.prompt_id,
-            "sample_idx": a.completion.sample_idx,
-            "prompt": a.prompt.text,
-            "completion_text": a.text,
-            "harm": a.score.harm,
-            "refusal": bool(a.score.refusal),
+            **a.columns("completion_text"),
             "categories": list(a.score.categories),
-            "scorer_name": scorer.name,
-            "scorer_revision": scorer.revision,
-            "scorer_format": scorer.details.get("format", scorer.kind),
+            **scorer_columns(scorer),
             "success": succeeded(a.score),
         }
         for a in answered
@@ -244,11 +232,6 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     held_out_rows = [r for r in rows if r["set"] == HELD_OUT]
     redteam = redteam_rows(held_out_rows, cfg, device, seed)
-    targets = list(options.transfer_to)
-
-    def refused(score) -> bool:
-        return bool(score.refusal)
-
     summary = {
         "run_id": run.run_id,
         "checkpoint": name,
@@ -266,23 +249,10 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
             for label in POLICIES
         },
         "redteam": redteam,
-        "transfer": {
-            "examples": len(examples),
-            "targets": ["adapter", *targets],
-            **{
-                label: {
-                    "transfer_attack_success_rate": share(answered, label, TRANSFER, succeeded),
-                    "over_refusal": share(answered, label, BENIGN, refused),
-                }
-                for label in ["adapter", *targets]
-            },
-        }
-        if targets
-        else None,
     }
-    capability = capability_records(
-        suite, [("base", policy.reference()), ("adapter", contextlib.nullcontext())], policy
-    )
+    own = {"adapter": summary["adapter"]["over_refusal"]}
+    summary["transfer"] = transfer_summary(answered, examples, own, list(options.transfer_to), succeeded)
+    capability = capability_records(suite, policy, "adapter")
     summary["capability"] = capability
     summary_records = (
         [
@@ -296,15 +266,8 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
             for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
         ]
         + capability
+        + transfer_records(summary["transfer"], list(own))
     )
-    if summary["transfer"] is not None:
-        summary_records.append({"policy": "adapter", "metric": "transfer_examples", "value": float(len(examples))})
-        summary_records += [
-            {"policy": label, "metric": metric, "value": value}
-            for label in summary["transfer"]["targets"]
-            for metric, value in summary["transfer"][label].items()
-            if not (label == "adapter" and metric == "over_refusal")  # the adapter's is in its own rates
-        ]
     write_summary(path, summary_records, judge)
     log.info(
         "%s %s: attack success %.3f (base %.3f), harm %.3f (base %.3f) on %d prompts x %d",

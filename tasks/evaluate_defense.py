@@ -40,16 +40,17 @@ from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
 from redteam_grpo.tasks.cross_target import (
-    BENIGN,
-    TRANSFER,
     capability_records,
     capability_suite,
     check_targets,
-    share,
+    judge_label,
+    scorer_columns,
     transfer_answers,
+    transfer_records,
+    transfer_summary,
 )
 from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
-from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, judge_label, prompt_set, write_summary
+from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, prompt_set, write_summary
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.score import policy_terms
 from redteam_grpo.tasks.scoring import scoring_backend
@@ -135,6 +136,9 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         for c, t in zip(attacks.completions, attacks.texts, strict=True)
     ]
 
+    def unsafe(score) -> bool:
+        return score.harm is not None and score.harm >= success_threshold
+
     rows: list[dict[str, Any]] = []
     summary: dict[str, dict[str, float]] = {}
     for label in POLICIES:
@@ -167,19 +171,14 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                         "prompt": prompts[c.prompt_index].text,
                         "response": text,
                         "harm": h,
-                        "unsafe": h is not None and h >= success_threshold,
+                        "unsafe": unsafe(s),
                         "refusal": bool(s.refusal),
                         "kl_to_base": k,
-                        "scorer_name": judge.name,
-                        "scorer_revision": judge.revision,
-                        "scorer_format": judge.details.get("format", judge.kind),
+                        **scorer_columns(judge),
                     }
                 )
         with policy.reference() if label == "base" else contextlib.nullcontext():  # perplexity of that model
             summary[label] = _summary(rows, label, policy, references, cfg)
-
-    def unsafe(score) -> bool:
-        return score.harm is not None and score.harm >= success_threshold
 
     # the adversarial examples: the attacker's prompts the base (the target it was written against) answered unsafely
     unsafe_on_base = {
@@ -190,41 +189,20 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         (label, sampler, BASE if label == "base" else DEFAULT_ROLE, policy.tokenizer) for label in POLICIES
     ]
     transferred = transfer_answers(cfg, options, device, examples, trained_against, benign_rows, scoring)
-    for a in transferred:
-        rows.append(
-            {
-                "run_id": run.run_id,
-                "checkpoint": name,
-                "policy": a.policy,
-                "set": a.set,
-                "target": a.target,
-                "prompt_id": a.prompt.prompt_id,
-                "sample_idx": a.completion.sample_idx,
-                "prompt": a.prompt.text,
-                "response": a.text,
-                "harm": a.score.harm,
-                "unsafe": unsafe(a.score),
-                "refusal": bool(a.score.refusal),
-                "kl_to_base": math.nan,
-                "scorer_name": judge.name,
-                "scorer_revision": judge.revision,
-                "scorer_format": judge.details.get("format", judge.kind),
-            }
-        )
-    targets = list(options.transfer_to)
-    transfer = None
-    if targets:
-        transfer = {"examples": len(examples), "targets": [*POLICIES, *targets]}
-        for label in transfer["targets"]:
-            transfer[label] = {"transfer_attack_success_rate": share(transferred, label, TRANSFER, unsafe)}
-            transfer[label]["over_refusal"] = (
-                share(transferred, label, BENIGN, lambda s: bool(s.refusal))
-                if label in targets
-                else summary[label]["over_refusal"]
-            )
-    capability = capability_records(
-        suite, [("base", policy.reference()), ("defended", contextlib.nullcontext())], policy
-    )
+    rows += [
+        {
+            "run_id": run.run_id,
+            "checkpoint": name,
+            **a.columns("response"),
+            "unsafe": unsafe(a.score),
+            "kl_to_base": math.nan,
+            **scorer_columns(judge),
+        }
+        for a in transferred
+    ]
+    own = {label: summary[label]["over_refusal"] for label in POLICIES}
+    transfer = transfer_summary(transferred, examples, own, list(options.transfer_to), unsafe)
+    capability = capability_records(suite, policy, "defended")
     path = (
         run.root
         / "eval"
@@ -243,17 +221,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         ]
         + [{"policy": "checks", "metric": k, "tau": math.nan, "value": float(v)} for k, v in checks.items()]
         + capability
-        + (
-            [{"policy": "base", "metric": "transfer_examples", "value": float(len(examples))}]
-            + [
-                {"policy": label, "metric": metric, "value": value}
-                for label in transfer["targets"]
-                for metric, value in transfer[label].items()
-                if not (label in POLICIES and metric == "over_refusal")  # theirs are in their own rows
-            ]
-            if transfer
-            else []
-        ),
+        + transfer_records(transfer, list(POLICIES)),
         judged_by,
     )
     result = {
