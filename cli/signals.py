@@ -7,7 +7,9 @@ kills the process on the spot: no message, no exit status of ours, and the ephem
 is left running. The handler installed here raises the same exception as Prefect's instead, so the call
 unwinds normally: `run_iterations` marks the run `interrupted`, the command prints how to resume and exits 143
 (SIGTERM) or 130 (SIGINT), as a shell reports a process ended by that signal, and Prefect's exit hook stops
-its server. SIGINT, which Prefect leaves alone, raises KeyboardInterrupt as usual.
+its server. SIGINT, which Prefect leaves alone, raises KeyboardInterrupt as usual. A signal the process was
+started with ignored (`nohup`, a background job) is left ignored (`interrupts.take_over`; Prefect still takes
+SIGTERM over while a flow runs).
 
 A terminal's Ctrl-C, or a supervisor that signals the whole process group, stops that API server too, and
 Prefect then retries each state report for about a minute. A stop must not wait on an API that was stopped
@@ -57,7 +59,7 @@ class StopOnSignal:
 
     def install(self) -> None:
         """From the main thread, before the run starts; `uninstall` when the command ends."""
-        self._previous = {signum: signal.signal(signum, self._on_signal) for signum in interrupts.STOP_SIGNALS}
+        self._previous = interrupts.take_over(self._on_signal)  # an ignored signal stays ignored
         receiver, sender = socket.socketpair()
         sender.setblocking(False)
         self._previous_wakeup = signal.set_wakeup_fd(sender.fileno(), warn_on_full_buffer=False)
@@ -67,8 +69,7 @@ class StopOnSignal:
     def uninstall(self) -> None:
         """Put back the handlers and the wake-up descriptor found at `install`, and end the watcher (a command
         run inside a longer-lived process, such as a test, must leave signals as it found them)."""
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        interrupts.give_back(self._previous)
         signal.set_wakeup_fd(self._previous_wakeup)
         self._wakeup[1].close()  # the watcher's recv returns b"" and it ends
 

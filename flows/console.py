@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import logging
 
+# Prefect's line for each flow and task run a stop signal unwound (prefect/states.py: exception_to_crashed_state):
+# the CLI says once that the run was interrupted, by which signal, and how to resume it (cli/signals.py).
+_STOPPED = (
+    "Crash detected! Execution was aborted by an interrupt signal.",
+    "Crash detected! Execution was aborted by a termination signal.",
+)
+
 
 class _NoTraceback(logging.Filter):
     """Drops the records that carry a traceback, and Prefect's echo of a run's failure ("Finished in state
-    Failed(...)"): the CLI's `error:` line says the same once, with the way out."""
+    Failed(...)") or of its stop by a signal ("Crash detected! ..."): the CLI's line says the same once, with the
+    way out."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info is not None:
             return False
         echo = record.levelno >= logging.ERROR and record.name in ("prefect.task_runs", "prefect.flow_runs")
-        return not (echo and str(record.msg).startswith("Finished in state"))
+        return not (echo and str(record.msg).startswith(("Finished in state", *_STOPPED)))
 
 
 def keep_tracebacks_off_console() -> None:

@@ -6,6 +6,10 @@ exception anywhere leaves either the old file or the new one, whole; `recording(
 holds a signal back while a stage's last file is renamed into place and recorded, so a stage's output is in
 place exactly when the manifest says it is completed. The signal is delivered again, to whatever handler was
 installed, as soon as the block ends (milliseconds).
+
+An ignored signal stays ignored: a process started with SIGINT or SIGTERM ignored (`nohup`, a shell's background
+job, a service manager) was asked not to stop on it, so no handler of ours (`take_over`) replaces SIG_IGN. Prefect's
+flow engine does, for SIGTERM while a flow runs (prefect/utilities/engine: `capture_sigterm`): SIGTERM still stops.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The exit status of a process stopped by a signal, as a shell reports it (128 + the signal's number).
@@ -22,6 +28,22 @@ EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+def take_over(handler: Callable[[int, FrameType | None], Any]) -> dict[int, Any]:
+    """Install `handler` for SIGTERM and SIGINT, from the main thread, except where a signal is ignored: SIG_IGN
+    stays. Returns the handlers it replaced, for `give_back`."""
+    return {
+        signum: signal.signal(signum, handler)
+        for signum in STOP_SIGNALS
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
+
+
+def give_back(previous: dict[int, Any]) -> None:
+    """Put back the handlers `take_over` replaced."""
+    for signum, handler in previous.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: installed outside Python
 
 
 @contextlib.contextmanager
@@ -34,11 +56,10 @@ def recording() -> Iterator[None]:
         yield
         return
     held: list[int] = []
-    previous = {signum: signal.signal(signum, lambda n, _frame: held.append(n)) for signum in STOP_SIGNALS}
+    previous = take_over(lambda n, _frame: held.append(n))
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: installed outside Python
+        give_back(previous)
         for signum in dict.fromkeys(held):
             signal.raise_signal(signum)

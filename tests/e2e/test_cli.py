@@ -21,6 +21,7 @@ from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import checkpoints, ownership
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file
 from redteam_grpo.storage.rundir import RunDir
+from tests.processes import default_stop_signals, ignoring_sigint
 from tests.small_runs import SMALL_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,8 +95,11 @@ def _run_args(runs_dir: Path, run_id: str, iterations: int) -> list[str]:
     return ["run", *SMALL, *(arg for setting in settings for arg in ("--set", setting))]
 
 
-def _start_run(runs_dir: Path, run_id: str, iterations: int) -> tuple[subprocess.Popen, Path]:
-    """A run in its own process group (as a terminal job), its output in a log file."""
+def _start_run(
+    runs_dir: Path, run_id: str, iterations: int, preexec_fn=default_stop_signals
+) -> tuple[subprocess.Popen, Path]:
+    """A run in its own process group (as a terminal job: SIGINT and SIGTERM at their defaults, however this
+    runner was started), its output in a log file."""
     log_path = runs_dir / f"{run_id}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -104,6 +108,7 @@ def _start_run(runs_dir: Path, run_id: str, iterations: int) -> tuple[subprocess
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=ROOT,
+            preexec_fn=preexec_fn,
         )
     return proc, log_path
 
@@ -169,6 +174,7 @@ def test_sigterm_mid_iteration_stops_within_seconds_and_resume_matches_an_uninte
     output = log_path.read_text()
     assert code == 143, output[-3000:]
     assert "Traceback" not in output and "BrokenPipeError" not in output, output[-3000:]
+    assert "Crash detected" not in output, output[-3000:]  # Prefect's echo of the stop: the CLI says it once
     assert f"run term interrupted by SIGTERM: its completed stages are kept; {_RESUME} {root}" in output
     print(f"stopped {time.monotonic() - sent:.1f} s after SIGTERM")
     run = RunDir.open(root)
@@ -209,9 +215,30 @@ def test_ctrl_c_to_the_whole_process_group_stops_within_seconds_though_the_prefe
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("still running 10 s after SIGINT:\n" + log_path.read_text()[-3000:])
-    assert code == 130, log_path.read_text()[-3000:]
-    assert f"run ctrl-c interrupted by SIGINT: its completed stages are kept; {_RESUME} {root}" in log_path.read_text()
+    output = log_path.read_text()
+    assert code == 130, output[-3000:]
+    assert f"run ctrl-c interrupted by SIGINT: its completed stages are kept; {_RESUME} {root}" in output
+    assert "Crash detected" not in output, output[-3000:]  # Prefect's echo of the stop: the CLI says it once
     assert RunDir.open(root).manifest()["status"] == "interrupted"
+
+
+@pytest.mark.usefixtures("embedded_assets")
+def test_a_run_started_with_sigint_ignored_ignores_it_and_completes(tmp_path):
+    # bug class inherited-sig-ign-overridden: `nohup`, a shell's background job or a service manager starts a run
+    # with SIGINT ignored; the run used to install its own handler over SIG_IGN and stop on the next SIGINT
+    proc, log_path = _start_run(tmp_path, "nohup", iterations=1, preexec_fn=ignoring_sigint)
+    root = tmp_path / "nohup"
+    _wait_until_recorded(proc, root, "0/sample", log_path)  # the CLI's handlers are in place: the run has begun
+    os.kill(proc.pid, signal.SIGINT)  # `kill -INT PID`: a background job gets no terminal's Ctrl-C
+    try:
+        code = proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the run never ended:\n" + log_path.read_text()[-3000:])
+    output = log_path.read_text()
+    assert code == 0, output[-3000:]
+    assert "interrupted" not in output, output[-3000:]
+    assert RunDir.open(root).manifest()["status"] == "completed"
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the API server's watcher needs /proc")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from redteam_grpo.flows import attack
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE
+from tests.processes import dispositions
 from tests.small_runs import SMALL_RUN
 
 runner = CliRunner()
@@ -57,12 +57,12 @@ def test_flipped_bytes_in_the_last_adapter_stop_a_resume_before_any_training(cop
     damaged = bytearray(adapter.read_bytes())
     damaged[-16] ^= 0xFF
     adapter.write_bytes(bytes(damaged))
+    found = dispositions()  # Python's defaults, or SIGINT ignored where this runner was started in the background
     code, out = _cli("run", "--resume", copy.root, "--set", "run.iterations=3")
     _one_error_line(code, out, str(adapter), "--redo 1/train_step")
     assert copy.completed_iterations() == [0, 1]
     # the command ran inside this process: it must leave the signal handlers as it found them
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert dispositions() == found
 
 
 def test_a_damaged_newest_adapter_is_left_out_of_the_checkpoints_offered_with_the_way_to_rewrite_it(copy):

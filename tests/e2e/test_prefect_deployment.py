@@ -31,6 +31,7 @@ from redteam_grpo.storage import schemas
 from redteam_grpo.storage.lineage import read_lineage
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK, SAMPLE, SCORE
+from tests.processes import default_stop_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -99,6 +100,7 @@ def prefect_server(tmp_path_factory, embedded_assets, prefect_database):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, so the whole server is stopped below
+        preexec_fn=default_stop_signals,  # with SIGTERM, however this runner was started
     )
     try:
         deadline = time.monotonic() + 180

@@ -24,6 +24,7 @@ from redteam_grpo.server.client import RewardServiceError
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE
 from tests.e2e.test_cli import CLI, ROOT
+from tests.processes import default_stop_signals
 from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
@@ -49,6 +50,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
                 start_new_session=True,
+                preexec_fn=default_stop_signals,  # stopped with SIGTERM below, however this runner was started
             )
         deadline = time.monotonic() + 120
         while True:

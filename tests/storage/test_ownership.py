@@ -17,6 +17,7 @@ import pytest
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import atomic, checkpoints, interrupts, ownership
 from redteam_grpo.storage.rundir import OWNER_FILE, RunDir, RunDirError
+from tests.processes import dispositions, handlers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -151,8 +152,24 @@ def test_a_folder_with_other_files_is_not_taken_for_an_unfinished_run(tmp_path):
 
 
 def test_a_signal_during_recording_is_delivered_after_it(run):
-    with pytest.raises(KeyboardInterrupt), interrupts.recording():
-        signal.raise_signal(signal.SIGINT)
-        run.set_status("recorded before the interrupt")
+    # Python's SIGINT handler, whatever this process inherited (a runner started in the background ignores SIGINT)
+    with handlers({signal.SIGINT: signal.default_int_handler}):
+        with pytest.raises(KeyboardInterrupt), interrupts.recording():
+            signal.raise_signal(signal.SIGINT)
+            run.set_status("recorded before the interrupt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert run.manifest()["status"] == "recorded before the interrupt"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_ignored_stays_ignored_while_recording(tmp_path):
+    # bug class inherited-sig-ign-overridden: a process started with SIGINT ignored (`nohup`, a background job)
+    # would stop on a SIGINT that came while a stage was recorded
+    run = RunDir.create(_config(tmp_path))
+    with handlers({signum: signal.SIG_IGN for signum in interrupts.STOP_SIGNALS}):
+        with interrupts.recording():
+            assert dispositions() == {signum: signal.SIG_IGN for signum in interrupts.STOP_SIGNALS}
+            for signum in interrupts.STOP_SIGNALS:
+                signal.raise_signal(signum)
+            run.set_status("recorded, the signals ignored")
+        assert dispositions() == {signum: signal.SIG_IGN for signum in interrupts.STOP_SIGNALS}
+    assert run.manifest()["status"] == "recorded, the signals ignored"
