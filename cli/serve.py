@@ -115,7 +115,8 @@ def serve_sampler(
     import os
     import shlex
     import shutil
-    import subprocess
+    import signal
+    import sys
 
     from redteam_grpo.cli.main import _load, console
     from redteam_grpo.core.models.policy import resolve_model_name
@@ -154,7 +155,21 @@ def serve_sampler(
         )
         raise typer.Exit(2)
     console.print(f"starting: {shown}")
-    raise typer.Exit(subprocess.call(command, env={**os.environ, **env}))
+    # The engine takes this process's place (bug class sampler-engine-orphaned-on-stop, docs/bug-classes.md): the
+    # SIGTERM or SIGINT that stops serve-sampler reaches vLLM itself, which stops its engine-core and worker processes
+    # and frees the port. A child (subprocess.call) would outlive a CLI stopped by SIGTERM, orphaned, holding the port.
+    # Nothing runs after the engine; its exit status is ours. Signals this process ignores stay ignored; those Python
+    # ignores for itself are restored, as subprocess does for a child.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for restored in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):
+        if hasattr(signal, restored):
+            signal.signal(getattr(signal, restored), signal.SIG_DFL)
+    try:
+        os.execvpe(command[0], command, {**os.environ, **env})
+    except OSError as exc:
+        console.print(f"[red]error:[/red] cannot start the vLLM engine ({shlex.join(command[:1])}): {exc}")
+        raise typer.Exit(2) from None
 
 
 def install_sampler(
