@@ -1,5 +1,8 @@
 """The embedded models' cache: names, folders, one build per folder, and the name -> folder resolution.
 
+A default recipe's build is the shipped one (`shipped.py`: the same weights on every machine), copied into the
+cache after its checksums are checked; any other recipe is trained on the machine.
+
 Each build writes into a temporary folder and renames it into place under a file lock, so concurrent first uses
 build once and a crash never leaves a half-built cache. The policy and classifier share one folder
 (`ASSETS_VERSION`); the guard (`GUARD_VERSION`) and the defense base (`SAFE_VERSION`) have their own, so a run
@@ -22,8 +25,9 @@ from typing import Any
 
 from filelock import FileLock
 
+from redteam_grpo.embedded import shipped
 from redteam_grpo.embedded.classifier import build_classifier
-from redteam_grpo.embedded.guard import build_embedded_guard
+from redteam_grpo.embedded.guard import build_embedded_guard as train_embedded_guard
 from redteam_grpo.embedded.policy import build_policy
 from redteam_grpo.embedded.recipes import (
     ASSETS_VERSION,
@@ -55,7 +59,17 @@ class EmbeddedAssets:
 
 
 def build_embedded_assets(out_dir: Path, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
-    """Build both models into `out_dir` (no locking, no atomic rename: see `ensure_embedded_assets`)."""
+    """Both models into `out_dir` (no locking, no atomic rename: see `ensure_embedded_assets`): the shipped build
+    for the default recipe, trained here for any other."""
+    out_dir = Path(out_dir)
+    assets = EmbeddedAssets(policy_dir=out_dir / "policy", classifier_dir=out_dir / "classifier")
+    if recipe == DEFAULT_RECIPE and shipped.copy_shipped(f"embedded-{ASSETS_VERSION}", out_dir):
+        return assets
+    return train_embedded_assets(out_dir, recipe)
+
+
+def train_embedded_assets(out_dir: Path, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
+    """Train both models into `out_dir` (what the shipped build was made with)."""
     out_dir = Path(out_dir)
     assets = EmbeddedAssets(policy_dir=out_dir / "policy", classifier_dir=out_dir / "classifier")
     with isolated_build():
@@ -98,7 +112,7 @@ def build_in_cache(final: Path, build: Callable[[Path], object], what: str) -> N
                 shutil.rmtree(stale)
         tmp = root / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
-        log.info("building %s into %s (first use, about 30 s)", what, final)
+        log.info("building %s into %s (first use)", what, final)
         try:
             build(tmp)
             os.replace(tmp, final)
@@ -108,7 +122,8 @@ def build_in_cache(final: Path, build: Callable[[Path], object], what: str) -> N
 
 
 def ensure_embedded_assets(cache_dir: Path | None = None, *, recipe: BuildRecipe = DEFAULT_RECIPE) -> EmbeddedAssets:
-    """The embedded models, built into the cache on first use (~30 s on 2 CPU cores), at once afterwards."""
+    """The embedded models, put into the cache on first use (the shipped build; a non-default recipe is trained,
+    ~30 s on 2 CPU cores), at once afterwards."""
     root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
     final = root / cache_dirname(f"embedded-{ASSETS_VERSION}", recipe, DEFAULT_RECIPE)
     # A lambda, so that the module-level `build_embedded_assets` is looked up at build time (tests replace it).
@@ -117,7 +132,8 @@ def ensure_embedded_assets(cache_dir: Path | None = None, *, recipe: BuildRecipe
 
 
 def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe = DEFAULT_GUARD_RECIPE) -> Path:
-    """The folder of the embedded guard, built into its own cache folder on first use (~30 s on 2 CPU cores).
+    """The folder of the embedded guard, put into its own cache folder on first use (the shipped build; a
+    non-default recipe is trained, ~30 s on 2 CPU cores).
 
     Separate from `ensure_embedded_assets`, so that a run with the classifier never pays for the guard and the
     policy/classifier folder (and `ASSETS_VERSION`) is unaffected by the guard's recipe.
@@ -129,8 +145,24 @@ def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe 
     return final / "guard"
 
 
+def build_embedded_guard(out_dir: Path, recipe: GuardRecipe = DEFAULT_GUARD_RECIPE) -> Path:
+    """The guard into `out_dir / "guard"` (no locking: see `ensure_embedded_guard`): the shipped build for the
+    default recipe, trained here for any other."""
+    if recipe == DEFAULT_GUARD_RECIPE and shipped.copy_shipped(f"embedded-guard-{GUARD_VERSION}", Path(out_dir)):
+        return Path(out_dir) / "guard"
+    return train_embedded_guard(out_dir, recipe)
+
+
 def build_embedded_safe_policy(out_dir: Path, recipe: SafeRecipe = DEFAULT_SAFE_RECIPE) -> Path:
-    """The defense base into `out_dir / "policy"` (no locking: see `ensure_embedded_safe_policy`)."""
+    """The defense base into `out_dir / "policy"` (no locking: see `ensure_embedded_safe_policy`): the shipped
+    build for the default recipe, trained here for any other."""
+    if recipe == DEFAULT_SAFE_RECIPE and shipped.copy_shipped(f"embedded-safe-{SAFE_VERSION}", Path(out_dir)):
+        return Path(out_dir) / "policy"
+    return train_embedded_safe_policy(out_dir, recipe)
+
+
+def train_embedded_safe_policy(out_dir: Path, recipe: SafeRecipe = DEFAULT_SAFE_RECIPE) -> Path:
+    """Train the defense base into `out_dir / "policy"` (what the shipped build was made with)."""
     out_dir = Path(out_dir)
     with isolated_build():
         facts = build_safe_policy(out_dir / "policy", recipe)
@@ -140,7 +172,8 @@ def build_embedded_safe_policy(out_dir: Path, recipe: SafeRecipe = DEFAULT_SAFE_
 
 
 def ensure_embedded_safe_policy(cache_dir: Path | None = None, *, recipe: SafeRecipe = DEFAULT_SAFE_RECIPE) -> Path:
-    """The folder of ``embedded:tiny-qwen3-safe``, built into its own cache folder on first use (~1 min)."""
+    """The folder of ``embedded:tiny-qwen3-safe``, put into its own cache folder on first use (the shipped build; a
+    non-default recipe is trained, ~1 min)."""
     root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
     final = root / cache_dirname(f"embedded-safe-{SAFE_VERSION}", recipe, DEFAULT_SAFE_RECIPE)
     build_in_cache(final, lambda tmp: build_embedded_safe_policy(tmp, recipe), "the embedded defense base")

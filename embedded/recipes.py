@@ -1,16 +1,17 @@
 """What each build depends on besides the bundled resources, and the recipe versions its cache folders are named by.
 
 Change `ASSETS_VERSION` (`GUARD_VERSION` for the guard) whenever a recipe changes, so caches built by an older
-recipe are not reused. A non-default recipe is cached under a hash of its fields (`cache.cache_dirname`).
+recipe are not reused, and ship the new builds (`python -m redteam_grpo.embedded --weights`). A non-default
+recipe is cached under a hash of its fields (`cache.cache_dirname`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ASSETS_VERSION = "v2"
+ASSETS_VERSION = "v3"  # v3: the shipped build (v2 was trained on each machine)
 """The recipe version of the policy and classifier, which are built together into one folder."""
-GUARD_VERSION = "v3"
+GUARD_VERSION = "v4"  # v4: the shipped build
 """The guard's own recipe version: it is built into its own folder, so changing it leaves `ASSETS_VERSION` alone."""
 
 
@@ -64,7 +65,7 @@ class GuardRecipe:
 DEFAULT_GUARD_RECIPE = GuardRecipe()
 
 
-SAFE_VERSION = "v1"
+SAFE_VERSION = "v2"  # v2: the shipped build
 """The recipe version of ``embedded:tiny-qwen3-safe``, the base of defense mode, built into its own folder."""
 
 

@@ -1,7 +1,9 @@
 """The embedded offline assets: tokenizers, chat template, build determinism and atomicity, classifier quality.
 
-One full default build per session (~35 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
-a 2-step recipe (~1.5 s a build) so that building twice stays cheap.
+Each quality test runs on the shipped default build (what every machine uses: embedded/shipped.py) and on the
+default recipe trained here, once per session (~35 s on 2 CPU cores), so the recipe keeps making models of that
+quality on whatever CPU runs the tests; the build-mechanics tests use a 2-step recipe (~1.5 s a build) so that
+building twice stays cheap.
 """
 
 from __future__ import annotations
@@ -49,8 +51,20 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def assets(cache_dir: Path) -> EmbeddedAssets:
+def cached_assets(cache_dir: Path) -> EmbeddedAssets:
+    """The default build as a first use puts it into a cache: the shipped one."""
     return ensure_embedded_assets(cache_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_here(tmp_path_factory: pytest.TempPathFactory) -> EmbeddedAssets:
+    """The default recipe trained on this machine (its weights depend on the CPU's kernels; its quality must not)."""
+    return cache.train_embedded_assets(tmp_path_factory.mktemp("trained-here"))
+
+
+@pytest.fixture(scope="session", params=["shipped", "trained-here"])
+def assets(request: pytest.FixtureRequest) -> EmbeddedAssets:
+    return request.getfixturevalue("cached_assets" if request.param == "shipped" else "trained_here")
 
 
 @pytest.fixture(scope="session")
@@ -213,7 +227,8 @@ def test_is_embedded() -> None:
     assert not is_embedded("Qwen/Qwen3-4B-Instruct-2507")
 
 
-def test_resolve_model_path(cache_dir: Path, assets: EmbeddedAssets) -> None:
+def test_resolve_model_path(cache_dir: Path, cached_assets: EmbeddedAssets) -> None:
+    assets = cached_assets
     assert resolve_model_path(EMBEDDED_POLICY, cache_dir) == str(assets.policy_dir)
     assert resolve_model_path(EMBEDDED_CLASSIFIER, cache_dir) == str(assets.classifier_dir)
     assert resolve_model_path("Qwen/Qwen3-4B-Instruct-2507", cache_dir) == "Qwen/Qwen3-4B-Instruct-2507"
@@ -230,11 +245,30 @@ def test_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     assert embedded_cache_dir() == Path.home() / ".cache" / "redteam-grpo"
 
 
-def test_default_build_is_versioned_and_reused(cache_dir: Path, assets: EmbeddedAssets) -> None:
+def test_default_build_is_versioned_and_reused(cache_dir: Path, cached_assets: EmbeddedAssets) -> None:
+    assets = cached_assets
     assert assets.policy_dir.parent.name == f"embedded-{ASSETS_VERSION}"
     assert (assets.policy_dir.parent / "manifest.json").is_file()
     assert ensure_embedded_assets(cache_dir) == assets  # no rebuild: returns at once
     assert not list(cache_dir.glob(".*tmp-*"))
+
+
+def test_the_recipe_trained_here_makes_the_shipped_tokenizers_and_configs(
+    cached_assets: EmbeddedAssets, trained_here: EmbeddedAssets
+) -> None:
+    """Only the weights may differ from the shipped build (they depend on the CPU's kernels): the tokenizers,
+    chat template and model configurations are the same bytes."""
+    for shipped_dir, here_dir in [
+        (cached_assets.policy_dir, trained_here.policy_dir),
+        (cached_assets.classifier_dir, trained_here.classifier_dir),
+    ]:
+        names = sorted(p.name for p in shipped_dir.iterdir())
+        assert names == sorted(p.name for p in here_dir.iterdir())
+        for name in names:
+            if name != "model.safetensors":
+                assert (shipped_dir / name).read_bytes() == (here_dir / name).read_bytes(), name
+        shipped_tensors, here_tensors = _tensors(shipped_dir), _tensors(here_dir)
+        assert {k: v.shape for k, v in shipped_tensors.items()} == {k: v.shape for k, v in here_tensors.items()}
 
 
 # ------------------------------------------------------------------------------------------ build mechanics

@@ -1,7 +1,9 @@
 """The embedded guard `embedded:tiny-guard` through the real `SafetyJudgeScorer` (`core/scoring/judge.py`).
 
-One default guard build per session (~40 s on 2 CPU cores) in a temporary cache; the build-mechanics tests use
-a 2-step recipe or a fake build. The scorer is built by `build_scorer` from the embedded name, so name
+Each test of the guard runs on the shipped default build (what every machine uses: embedded/shipped.py) and on
+the default recipe trained here once per session (~40 s on 2 CPU cores), each in a temporary cache, so the recipe
+keeps making a guard of that quality on whatever CPU runs the tests; the build-mechanics tests use a 2-step
+recipe or a fake build. The scorer is built by `build_scorer` from the embedded name, so name
 resolution and `detect_kind` are exercised too.
 """
 
@@ -58,9 +60,13 @@ CLEAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def guard_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("guard-cache")
+@pytest.fixture(scope="module", params=["shipped", "trained-here"])
+def guard_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache whose default guard is the shipped one (put there on first use) or one trained here."""
+    folder = tmp_path_factory.mktemp(f"guard-cache-{request.param}")
+    if request.param == "trained-here":
+        cache.train_embedded_guard(folder / f"embedded-guard-{GUARD_VERSION}")
+    return folder
 
 
 @pytest.fixture(scope="module")
