@@ -1,17 +1,32 @@
 # ruff: noqa: E501  (each entry holds whole lines of code, so that they can be found by text)
 """Put each bug class of docs/bug-classes.md back into the code, one at a time, and check that its tests fail.
 
-    python tests/bug_classes.py                       # all of them (a few minutes on 2 CPU cores)
+    python tests/bug_classes.py                       # all of them, one per CPU core at a time (~9 min on 2)
     python tests/bug_classes.py hidden-top-k mask-    # those whose name contains one of the texts
+    python tests/bug_classes.py -j 1                  # one at a time
 
 Each entry: (name, file, the correct code, the bug, the tests that must fail); the name is the heading of the
-class in docs/bug-classes.md. The file is restored after each run, also on error. One line per entry:
-"CAUGHT <name>" (the tests failed), "MISSED <name>" (a guarantee is no longer tested: fix the test, not this
-list) or "STALE <name>" (the correct code changed: update the entry). Exit status 1 on any MISSED or STALE.
+class in docs/bug-classes.md. One line per entry: "CAUGHT <name>" (the tests failed), "MISSED <name>" (a
+guarantee is no longer tested: fix the test, not this list) or "STALE <name>" (the correct code changed: update
+the entry). Exit status 1 on any MISSED or STALE.
+
+The bugs are put into copies of the working tree, one copy per job, never into the tree itself: each copy
+imports its own code (its `.import/` folder, first on PYTHONPATH, holds the package's folders as links into the
+copy, ahead of the editable install that points at the tree), shares the tree's `.venv` and `.vllm`, and is
+removed at the end. A copy is checked to import its own code before it is used.
 """
 
+import argparse
+import os
+import queue
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +121,20 @@ BUG_CLASSES = [
         'command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_model_len))]',
         'command += ["--max-num-batched-tokens", str(max(2048, max_model_len))]',
         "tests/server/test_vllm_env.py::test_the_cpu_build_starts_from_its_environment_named_as_a_cpu_without_chunked_prefill tests/e2e/test_vllm_engine.py::test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_lives_on",
+    ),
+    (
+        "inherited-sig-ign-overridden",
+        "storage/interrupts.py",
+        "        if signal.getsignal(signum) is not signal.SIG_IGN",
+        "        if True",
+        "tests/cli/test_signals.py::test_a_stop_signal_the_process_was_started_with_ignored_stays_ignored tests/storage/test_ownership.py::test_a_signal_ignored_stays_ignored_while_recording tests/e2e/test_cli.py::test_a_run_started_with_sigint_ignored_ignores_it_and_completes",
+    ),
+    (
+        "sampler-engine-orphaned-on-stop",
+        "cli/serve.py",
+        "        os.execvpe(command[0], command, {**os.environ, **env})",
+        '        raise typer.Exit(__import__("subprocess").call(command, env={**os.environ, **env}))',
+        "tests/e2e/test_vllm_engine.py::test_serve_sampler_stopped_by_a_signal_stops_its_engine_within_seconds",
     ),
     (
         "adapter-name-outlives-its-weights",
@@ -475,32 +504,119 @@ BUG_CLASSES = [
 ]
 
 
-def main(selected: list[str]) -> int:
-    missed = 0
-    for name, relative, correct, bug, tests in BUG_CLASSES:
-        if selected and not any(s in name for s in selected):
-            continue
-        path = ROOT / relative
-        source = path.read_text()
-        if source.count(correct) != 1:
-            print(f"STALE {name}: the correct code is no longer found once in {relative}; update this entry")
-            missed += 1
-            continue
-        path.write_text(source.replace(correct, bug))
-        try:
-            result = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:warnings", *tests.split()],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
+SHARED = (".venv", ".vllm")  # installed environments: the copies use the tree's own
+
+
+def package_folders() -> dict[str, str]:
+    """`redteam_grpo.<name>` -> its folder in the tree, for the top-level subpackages (pyproject's package-dir)."""
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {name.split(".")[1]: folder for name, folder in mapping.items() if name.count(".") == 1}
+
+
+def tree_files() -> list[str]:
+    """The tree's files as git sees them: tracked, and untracked but not ignored (an uncommitted change counts)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [f for f in listed.split("\0") if f and (ROOT / f).is_file()]
+
+
+def make_copy(parent: Path, number: int, files: list[str]) -> Path:
+    """A copy of the tree that imports its own code; raises if it would import the tree's."""
+    copy = parent / f"tree-{number}"
+    for relative in files:
+        (copy / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / relative, copy / relative)
+    for name in SHARED:
+        if (ROOT / name).exists():
+            (copy / name).symlink_to(ROOT / name)
+    package = copy / ".import" / "redteam_grpo"
+    package.mkdir(parents=True)
+    for name, folder in package_folders().items():
+        (package / name).symlink_to(copy / folder)
+    probe = "import redteam_grpo.core as m; print(__import__('pathlib').Path(m.__path__[0]).resolve())"
+    seen = subprocess.run([sys.executable, "-c", probe], cwd=copy, env=copy_env(copy), capture_output=True, text=True)
+    if seen.returncode != 0 or Path(seen.stdout.strip()) != (copy / "core").resolve():
+        raise RuntimeError(f"a copy of the tree in {copy} does not import its own code: {seen.stdout}{seen.stderr}")
+    return copy
+
+
+def copy_env(copy: Path) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(copy / ".import"), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def check(copy: Path, relative: str, correct: str, bug: str, tests: str) -> tuple[bool, str]:
+    """Put the bug into `copy`, run its tests, put the correct code back; (caught, pytest's last line)."""
+    path = copy / relative
+    source = path.read_text()
+    path.write_text(source.replace(correct, bug))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:warnings", "-p", "no:cacheprovider", *tests.split()],
+            capture_output=True,
+            text=True,
+            cwd=copy,
+            env=copy_env(copy),
+        )
+    finally:
+        path.write_text(source)
+    summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return result.returncode == 1, summary  # 1: tests ran and failed (not a collection or usage error)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="Put each bug class back and check that its tests fail.")
+    parser.add_argument("names", nargs="*", help="run the classes whose name contains one of these texts")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="classes checked at once")
+    args = parser.parse_args(argv)
+    chosen = [entry for entry in BUG_CLASSES if not args.names or any(s in entry[0] for s in args.names)]
+    failures = 0
+    runnable = []
+    for entry in chosen:
+        name, relative, correct = entry[:3]
+        if (ROOT / relative).read_text().count(correct) != 1:
+            print(
+                f"STALE {name}: the correct code is no longer found once in {relative}; update this entry", flush=True
             )
-        finally:
-            path.write_text(source)
-        summary = (result.stdout.strip().splitlines() or ["(no output)"])[-1]
-        caught = result.returncode == 1  # tests ran and failed (not a collection or usage error)
-        missed += not caught
-        print(f"{'CAUGHT' if caught else 'MISSED'} {name}: {summary}", flush=True)
-    return 1 if missed else 0
+            failures += 1
+        else:
+            runnable.append(entry)
+    started, lock = time.monotonic(), threading.Lock()
+    with tempfile.TemporaryDirectory(prefix="redteam-grpo-bug-classes-") as parent:
+        files = tree_files()
+        copies: queue.Queue[Path] = queue.Queue()
+        jobs = max(1, min(args.jobs, len(runnable)))
+        for number in range(jobs):
+            copies.put(make_copy(Path(parent), number, files))
+
+        def run(entry: tuple[str, str, str, str, str]) -> bool:
+            name, relative, correct, bug, tests = entry
+            copy, began = copies.get(), time.monotonic()
+            try:
+                caught, summary = check(copy, relative, correct, bug, tests)
+            finally:
+                copies.put(copy)
+            with lock:
+                print(
+                    f"{'CAUGHT' if caught else 'MISSED'} {name} ({time.monotonic() - began:.0f} s): {summary}",
+                    flush=True,
+                )
+            return caught
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            caught = list(pool.map(run, runnable))
+    failures += caught.count(False)
+    print(
+        f"bug classes: {caught.count(True)} caught, {caught.count(False)} missed, {len(chosen) - len(runnable)} stale "
+        f"of {len(chosen)}, in {(time.monotonic() - started) / 60:.1f} min, {jobs} at a time",
+        flush=True,
+    )
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The README's promises that a fresh machine depends on."""
 
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -9,9 +10,12 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme_lines = (ROOT / "README.md").read_text().splitlines()
     block = readme_lines[readme_lines.index("```bash") + 1 : readme_lines.index("```bash") + 3]
     assert len(block) == 2 and block[0].endswith("redteam-grpo run")
-    assert block[1].endswith(".venv/bin/pytest && .venv/bin/python tests/bug_classes.py")
-    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
-    assert block[1] in ci_lines
+    assert block[1].endswith(".venv/bin/pytest -n auto && .venv/bin/python tests/bug_classes.py")
+    # .ci/run runs the command as timed phases (`phase NAME 'COMMAND'`): joined with &&, they are the command.
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    phases = [shlex.split(line) for line in ci_lines if line.startswith("phase ")]
+    assert all(len(p) == 3 for p in phases) and len(phases) >= 2
+    assert " && ".join(command for _, _, command in phases) == block[1]
 
 
 def test_the_network_guard_refuses_and_records_non_loopback_connections():

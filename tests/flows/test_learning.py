@@ -74,6 +74,7 @@ def _curves(rewards_by_seed: dict[int, pd.Series]) -> str:
 def _assert_learns(rewards_by_seed: dict[int, pd.Series], margin: float, seed_floor: float, per_seed=_rise) -> None:
     """The mean rise over the seeds clears `margin`, and each seed's `per_seed` rise clears `seed_floor`."""
     rises = [_rise(r) for r in rewards_by_seed.values()]
+    print(f"mean rise {sum(rises) / len(rises):.3f} (margin {margin})\n{_curves(rewards_by_seed)}")  # pytest -rP
     assert sum(rises) / len(rises) > margin, _curves(rewards_by_seed)
     assert min(per_seed(r) for r in rewards_by_seed.values()) > seed_floor, _curves(rewards_by_seed)
 
@@ -91,6 +92,7 @@ def test_a_three_turn_attack_run_learns_on_its_own_turns(tmp_path):
 def test_a_three_turn_attack_run_with_per_turn_rewards_learns(tmp_path):
     settings = ["dialogue.turns=3", "dialogue.rewards=per_turn", "dialogue.discount=0.5"]
     rewards = _rewards(tmp_path, "per-turn", "run.seed=0", *settings)
+    print(f"rise {_rise(rewards):.3f} (margin {PER_TURN_MARGIN})\n{_curves({0: rewards})}")  # pytest -rP
     assert _rise(rewards) > PER_TURN_MARGIN, _curves({0: rewards})
 
 
@@ -104,4 +106,5 @@ def test_with_the_advantage_sign_flipped_reward_goes_down(tmp_path, monkeypatch)
     monkeypatch.setattr(advantage_module, "group_advantages", flipped)
     rewards = _rewards(tmp_path, "inverted", "run.iterations=20")
     first, last = rewards.iloc[:5].mean(), rewards.iloc[-5:].mean()
+    print(f"first 5 {first:.3f}, last 5 {last:.3f}")  # pytest -rP
     assert last < first, f"first 5 {first:.3f}, last 5 {last:.3f}"
