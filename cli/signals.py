@@ -110,9 +110,12 @@ class StopOnSignal:
                     self._give_up(signum)
 
     def _give_up(self, signum: int) -> None:
-        """The stop did not unwind to the command within the grace time: mark the run and exit from here."""
-        for root in ownership.owned_roots():  # its owner is this process, stuck: nothing else writes the run
-            RunDir(root).set_status("interrupted", interrupted_by=interrupts.signal_name(signum))
-        self.say(resume_hint(self.root, signum))
-        sys.stderr.flush()
-        os._exit(interrupts.EXIT_STATUS[signum])
+        """The stop did not unwind to the command within the grace time: mark the run and exit from here, whatever
+        marking or saying it raises (an exception here would end this thread and leave the process running)."""
+        try:
+            for root in ownership.owned_roots():  # its owner is this process, stuck: nothing else writes the run
+                RunDir(root).set_status("interrupted", interrupted_by=interrupts.signal_name(signum))
+            self.say(resume_hint(self.root, signum))
+            sys.stderr.flush()
+        finally:
+            os._exit(interrupts.EXIT_STATUS[signum])
