@@ -118,3 +118,20 @@ def test_a_damaged_shipped_build_is_refused_naming_the_file_and_nothing_reaches_
         cache.ensure_embedded_assets(cache_dir)
     assert str(weights) in str(err.value) and "reinstall redteam-grpo" in str(err.value)
     assert [p.name for p in cache_dir.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_the_defense_base_s_recipe_trains_here_into_the_shipped_tokenizer_and_architecture(tmp_path: Path) -> None:
+    """The safe base's training path, which no other test takes now that its default build is shipped: a 2-step
+    build of its recipe writes the shipped tokenizer, chat template and configuration, byte for byte."""
+    from safetensors.torch import load_file
+
+    short = dataclasses.replace(recipes.DEFAULT_SAFE_RECIPE, policy_steps=2)
+    trained = cache.train_embedded_safe_policy(tmp_path / "safe", short)
+    shipped_dir = shipped.shipped_folder(f"embedded-safe-{recipes.SAFE_VERSION}") / "policy"
+    names = sorted(p.name for p in shipped_dir.iterdir())
+    assert names == sorted(p.name for p in trained.iterdir())
+    for name in names:
+        if name != "model.safetensors":
+            assert (shipped_dir / name).read_bytes() == (trained / name).read_bytes(), name
+    here, there = load_file(trained / "model.safetensors"), load_file(shipped_dir / "model.safetensors")
+    assert {k: v.shape for k, v in here.items()} == {k: v.shape for k, v in there.items()}
