@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from redteam_grpo.embedded import cache, recipes, shipped
+from redteam_grpo.embedded import cache, shipped
 from redteam_grpo.embedded.corpus import write_prompts_file
 from redteam_grpo.embedded.defense import write_defense_files
 
@@ -21,13 +21,8 @@ if not args.weights:
     for path in write_defense_files():
         print(f"wrote {path}")
 else:
-    builds = {
-        f"embedded-{recipes.ASSETS_VERSION}": (cache.train_embedded_assets, recipes.DEFAULT_RECIPE),
-        f"embedded-guard-{recipes.GUARD_VERSION}": (cache.train_embedded_guard, recipes.DEFAULT_GUARD_RECIPE),
-        f"embedded-safe-{recipes.SAFE_VERSION}": (cache.train_embedded_safe_policy, recipes.DEFAULT_SAFE_RECIPE),
-    }
     with tempfile.TemporaryDirectory() as scratch:
-        for name, (train, recipe) in builds.items():
+        for name, (train, recipe) in cache.default_trainers().items():
             print(f"training {name} ...", flush=True)
             out = Path(scratch) / name
             out.mkdir()

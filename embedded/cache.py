@@ -50,6 +50,10 @@ EMBEDDED_CLASSIFIER = "embedded:tiny-toxicity"
 EMBEDDED_GUARD = "embedded:tiny-guard"
 EMBEDDED_SAFE_POLICY = "embedded:tiny-qwen3-safe"
 _EMBEDDED_NAMES = (EMBEDDED_POLICY, EMBEDDED_CLASSIFIER, EMBEDDED_GUARD, EMBEDDED_SAFE_POLICY)
+# The cache folder of each default build, which is also its name in `embedded/shipped/`.
+ASSETS_FOLDER = f"embedded-{ASSETS_VERSION}"
+GUARD_FOLDER = f"embedded-guard-{GUARD_VERSION}"
+SAFE_FOLDER = f"embedded-safe-{SAFE_VERSION}"
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ def build_embedded_assets(out_dir: Path, recipe: BuildRecipe = DEFAULT_RECIPE) -
     for the default recipe, trained here for any other."""
     out_dir = Path(out_dir)
     assets = EmbeddedAssets(policy_dir=out_dir / "policy", classifier_dir=out_dir / "classifier")
-    if recipe == DEFAULT_RECIPE and shipped.copy_shipped(f"embedded-{ASSETS_VERSION}", out_dir):
+    if recipe == DEFAULT_RECIPE and shipped.copy_shipped(ASSETS_FOLDER, out_dir):
         return assets
     return train_embedded_assets(out_dir, recipe)
 
@@ -125,7 +129,7 @@ def ensure_embedded_assets(cache_dir: Path | None = None, *, recipe: BuildRecipe
     """The embedded models, put into the cache on first use (the shipped build; a non-default recipe is trained,
     ~30 s on 2 CPU cores), at once afterwards."""
     root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
-    final = root / cache_dirname(f"embedded-{ASSETS_VERSION}", recipe, DEFAULT_RECIPE)
+    final = root / cache_dirname(ASSETS_FOLDER, recipe, DEFAULT_RECIPE)
     # A lambda, so that the module-level `build_embedded_assets` is looked up at build time (tests replace it).
     build_in_cache(final, lambda tmp: build_embedded_assets(tmp, recipe), "the embedded policy and classifier")
     return EmbeddedAssets(policy_dir=final / "policy", classifier_dir=final / "classifier")
@@ -139,7 +143,7 @@ def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe 
     policy/classifier folder (and `ASSETS_VERSION`) is unaffected by the guard's recipe.
     """
     root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
-    final = root / cache_dirname(f"embedded-guard-{GUARD_VERSION}", recipe, DEFAULT_GUARD_RECIPE)
+    final = root / cache_dirname(GUARD_FOLDER, recipe, DEFAULT_GUARD_RECIPE)
     # A lambda, so that the module-level `build_embedded_guard` is looked up at build time (tests replace it).
     build_in_cache(final, lambda tmp: build_embedded_guard(tmp, recipe), "the embedded guard")
     return final / "guard"
@@ -148,7 +152,7 @@ def ensure_embedded_guard(cache_dir: Path | None = None, *, recipe: GuardRecipe 
 def build_embedded_guard(out_dir: Path, recipe: GuardRecipe = DEFAULT_GUARD_RECIPE) -> Path:
     """The guard into `out_dir / "guard"` (no locking: see `ensure_embedded_guard`): the shipped build for the
     default recipe, trained here for any other."""
-    if recipe == DEFAULT_GUARD_RECIPE and shipped.copy_shipped(f"embedded-guard-{GUARD_VERSION}", Path(out_dir)):
+    if recipe == DEFAULT_GUARD_RECIPE and shipped.copy_shipped(GUARD_FOLDER, Path(out_dir)):
         return Path(out_dir) / "guard"
     return train_embedded_guard(out_dir, recipe)
 
@@ -156,7 +160,7 @@ def build_embedded_guard(out_dir: Path, recipe: GuardRecipe = DEFAULT_GUARD_RECI
 def build_embedded_safe_policy(out_dir: Path, recipe: SafeRecipe = DEFAULT_SAFE_RECIPE) -> Path:
     """The defense base into `out_dir / "policy"` (no locking: see `ensure_embedded_safe_policy`): the shipped
     build for the default recipe, trained here for any other."""
-    if recipe == DEFAULT_SAFE_RECIPE and shipped.copy_shipped(f"embedded-safe-{SAFE_VERSION}", Path(out_dir)):
+    if recipe == DEFAULT_SAFE_RECIPE and shipped.copy_shipped(SAFE_FOLDER, Path(out_dir)):
         return Path(out_dir) / "policy"
     return train_embedded_safe_policy(out_dir, recipe)
 
@@ -175,7 +179,7 @@ def ensure_embedded_safe_policy(cache_dir: Path | None = None, *, recipe: SafeRe
     """The folder of ``embedded:tiny-qwen3-safe``, put into its own cache folder on first use (the shipped build; a
     non-default recipe is trained, ~1 min)."""
     root = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
-    final = root / cache_dirname(f"embedded-safe-{SAFE_VERSION}", recipe, DEFAULT_SAFE_RECIPE)
+    final = root / cache_dirname(SAFE_FOLDER, recipe, DEFAULT_SAFE_RECIPE)
     build_in_cache(final, lambda tmp: build_embedded_safe_policy(tmp, recipe), "the embedded defense base")
     return final / "policy"
 
@@ -196,3 +200,12 @@ def resolve_model_path(name: str, cache_dir: Path | None = None) -> str:
         return str(ensure_embedded_safe_policy(cache_dir))
     assets = ensure_embedded_assets(cache_dir)
     return str(assets.policy_dir if name == EMBEDDED_POLICY else assets.classifier_dir)
+
+
+def default_trainers() -> dict[str, tuple[Callable[[Path, Any], object], Any]]:
+    """Each shipped build's folder -> (the function that trains it, its default recipe)."""
+    return {
+        ASSETS_FOLDER: (train_embedded_assets, DEFAULT_RECIPE),
+        GUARD_FOLDER: (train_embedded_guard, DEFAULT_GUARD_RECIPE),
+        SAFE_FOLDER: (train_embedded_safe_policy, DEFAULT_SAFE_RECIPE),
+    }

@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from redteam_grpo.storage.interrupts import STOP_SIGNALS, give_back
 
 
 def default_stop_signals() -> None:
@@ -40,5 +40,4 @@ def handlers(installed: dict[int, Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        give_back(previous)

@@ -11,7 +11,8 @@ import pytest
 
 from redteam_grpo.cli.signals import StopOnSignal
 from redteam_grpo.flows.attack import STOP_EXCEPTIONS
-from tests.processes import STOP_SIGNALS, dispositions, handlers
+from redteam_grpo.storage.interrupts import STOP_SIGNALS
+from tests.processes import dispositions, handlers
 
 
 def test_a_repeated_stop_signal_writes_to_an_open_wakeup_descriptor(tmp_path, monkeypatch):

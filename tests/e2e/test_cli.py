@@ -125,6 +125,17 @@ def _wait_until_recorded(proc: subprocess.Popen, root: Path, key: str, log_path:
     pytest.fail(f"{key} was never recorded")
 
 
+def _exit_and_output(proc: subprocess.Popen, log_path: Path, timeout: float, failure: str) -> tuple[int, str]:
+    """The run's exit status and output once it ends; past `timeout` seconds its process group is killed and the
+    test fails with `failure` and the output's end."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{failure}:\n" + log_path.read_text()[-3000:])
+    return code, log_path.read_text()
+
+
 def _adapter(root: Path, iteration: int) -> dict:
     from safetensors.torch import load_file
 
@@ -166,12 +177,7 @@ def test_sigterm_mid_iteration_stops_within_seconds_and_resume_matches_an_uninte
     _wait_until_recorded(proc, root, "1/sample", log_path)
     os.kill(proc.pid, signal.SIGTERM)  # the process only, as `kill PID` or a Prefect worker's cancellation
     sent = time.monotonic()
-    try:
-        code = proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("still running 10 s after SIGTERM:\n" + log_path.read_text()[-3000:])
-    output = log_path.read_text()
+    code, output = _exit_and_output(proc, log_path, 10, "still running 10 s after SIGTERM")
     assert code == 143, output[-3000:]
     assert "Traceback" not in output and "BrokenPipeError" not in output, output[-3000:]
     assert "Crash detected" not in output, output[-3000:]  # Prefect's echo of the stop: the CLI says it once
@@ -210,12 +216,7 @@ def test_ctrl_c_to_the_whole_process_group_stops_within_seconds_though_the_prefe
     root = tmp_path / "ctrl-c"
     _wait_until_recorded(proc, root, "0/score", log_path)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the ephemeral API server gets it too
-    try:
-        code = proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("still running 10 s after SIGINT:\n" + log_path.read_text()[-3000:])
-    output = log_path.read_text()
+    code, output = _exit_and_output(proc, log_path, 10, "still running 10 s after SIGINT")
     assert code == 130, output[-3000:]
     assert f"run ctrl-c interrupted by SIGINT: its completed stages are kept; {_RESUME} {root}" in output
     assert "Crash detected" not in output, output[-3000:]  # Prefect's echo of the stop: the CLI says it once
@@ -230,12 +231,7 @@ def test_a_run_started_with_sigint_ignored_ignores_it_and_completes(tmp_path):
     root = tmp_path / "nohup"
     _wait_until_recorded(proc, root, "0/sample", log_path)  # the CLI's handlers are in place: the run has begun
     os.kill(proc.pid, signal.SIGINT)  # `kill -INT PID`: a background job gets no terminal's Ctrl-C
-    try:
-        code = proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("the run never ended:\n" + log_path.read_text()[-3000:])
-    output = log_path.read_text()
+    code, output = _exit_and_output(proc, log_path, 240, "the run never ended")
     assert code == 0, output[-3000:]
     assert "interrupted" not in output, output[-3000:]
     assert RunDir.open(root).manifest()["status"] == "completed"

@@ -18,9 +18,9 @@ from redteam_grpo.embedded import cache, recipes, shipped
 from redteam_grpo.embedded.shipped import ShippedWeightsError
 
 BUILDS = {
-    f"embedded-{recipes.ASSETS_VERSION}": ("assets_version", recipes.ASSETS_VERSION, recipes.DEFAULT_RECIPE),
-    f"embedded-guard-{recipes.GUARD_VERSION}": ("guard_version", recipes.GUARD_VERSION, recipes.DEFAULT_GUARD_RECIPE),
-    f"embedded-safe-{recipes.SAFE_VERSION}": ("safe_version", recipes.SAFE_VERSION, recipes.DEFAULT_SAFE_RECIPE),
+    cache.ASSETS_FOLDER: ("assets_version", recipes.ASSETS_VERSION, recipes.DEFAULT_RECIPE),
+    cache.GUARD_FOLDER: ("guard_version", recipes.GUARD_VERSION, recipes.DEFAULT_GUARD_RECIPE),
+    cache.SAFE_FOLDER: ("safe_version", recipes.SAFE_VERSION, recipes.DEFAULT_SAFE_RECIPE),
 }
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,7 +101,7 @@ def _damage(path: Path) -> None:
 def test_a_damaged_shipped_build_is_refused_naming_the_file_and_nothing_reaches_the_cache(
     shipped_copy: Path, tmp_path: Path, damage: str
 ) -> None:
-    name = f"embedded-{recipes.ASSETS_VERSION}"
+    name = cache.ASSETS_FOLDER
     weights = shipped_copy / name / "policy" / "model.safetensors"
     if damage == "flipped-byte":
         _damage(weights)
@@ -127,7 +127,7 @@ def test_the_defense_base_s_recipe_trains_here_into_the_shipped_tokenizer_and_ar
 
     short = dataclasses.replace(recipes.DEFAULT_SAFE_RECIPE, policy_steps=2)
     trained = cache.train_embedded_safe_policy(tmp_path / "safe", short)
-    shipped_dir = shipped.shipped_folder(f"embedded-safe-{recipes.SAFE_VERSION}") / "policy"
+    shipped_dir = shipped.shipped_folder(cache.SAFE_FOLDER) / "policy"
     names = sorted(p.name for p in shipped_dir.iterdir())
     assert names == sorted(p.name for p in trained.iterdir())
     for name in names:
