@@ -331,6 +331,11 @@ class RewardConfig(_Section):
     an unreadable verdict) the detector's flag stays."""
     batch_size: int = Field(64, gt=0)
     """Texts per scorer forward."""
+    max_unscored_share: float = Field(0.25, ge=0.0, le=1.0)
+    """The largest share of a scored shard that may get no score (a judge's verdict it cannot read, a non-finite
+    score): those rows get advantage 0, so one is only counted (the `unscored_share` metric); above this share the
+    stage stops with an error that names the judge, since the run would learn from the few rows left. 1: never
+    stop."""
     max_length: int = Field(512, gt=0)
     """The most tokens a scorer reads (the harm scorer and the refusal classifier). Each lowers it to what its
     model can take (`tokenizer.model_max_length` / `config.max_position_embeddings`; a judge also keeps

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 ASSETS_VERSION = "v3"  # v3: the shipped build (v2 was trained on each machine)
 """The recipe version of the policy and classifier, which are built together into one folder."""
-GUARD_VERSION = "v4"  # v4: the shipped build
+GUARD_VERSION = "v5"  # v5: ends at the assistant header and writes "\n\n" first, as Llama Guard 3 does
 """The guard's own recipe version: it is built into its own folder, so changing it leaves `ASSETS_VERSION` alone."""
 
 

@@ -29,7 +29,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from redteam_grpo.core.scoring.backend import ScoringBackend
-from redteam_grpo.core.scoring.scorers import ScorerError, conversation
+from redteam_grpo.core.scoring.scorers import Goal, ScorerError, conversation
 from redteam_grpo.server.batching import MicroBatcher
 from redteam_grpo.server.limits import BodyLimitMiddleware
 from redteam_grpo.server.settings import ServerSettings
@@ -43,6 +43,12 @@ class ChatMessage(BaseModel):
     content: StrictStr
 
 
+class GoalIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: StrictStr = Field(description="The goal: the request before any jailbreak.")
+    context: StrictStr | None = Field(None, description="A HarmBench contextual behavior's context string.")
+
+
 class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     texts: list[StrictStr] = Field(min_length=1, description="Completions to score.")
@@ -51,6 +57,12 @@ class ScoreRequest(BaseModel):
         description="What each completion answers (same length as texts): its prompt, or the conversation before it "
         "as messages alternating user and assistant from a user message and ending with one (a multi-turn dialogue; "
         "a judge assesses the completion in its light). A safety judge needs them.",
+    )
+    goals: list[GoalIn | None] | None = Field(
+        None,
+        description="What each attack was after, where it is known apart from the prompt (same length as texts; null "
+        "for none): judges that read the request before any jailbreak (HarmBench's behavior, StrongREJECT's "
+        "forbidden prompt) are told the goal; the others ignore it.",
     )
 
 
@@ -130,7 +142,9 @@ class Service:
     def __post_init__(self) -> None:
         wait = self.settings.max_wait_ms / 1000
         self.score_batcher = MicroBatcher(
-            lambda items: self.backend.score([c for c, _ in items], [p for _, p in items]),
+            lambda items: self.backend.score(
+                [c for c, _, _ in items], [p for _, p, _ in items], [g for _, _, g in items]
+            ),
             self.settings.max_batch,
             wait,
         )
@@ -189,6 +203,23 @@ class Service:
             contexts.append(messages)
         return contexts
 
+    def goals(self, body: ScoreRequest) -> list[Goal | None]:
+        """Each text's goal, checked: one per text, or none sent."""
+        if body.goals is None:
+            return [None] * len(body.texts)
+        if len(body.goals) != len(body.texts):
+            raise HTTPException(
+                422, f"{len(body.goals)} goals for {len(body.texts)} texts: send one goal (or null) per text"
+            )
+        out: list[Goal | None] = []
+        for i, goal in enumerate(body.goals):
+            if goal is not None:
+                self.check_length(goal.text, f"goals[{i}].text")
+                if goal.context is not None:
+                    self.check_length(goal.context, f"goals[{i}].context")
+            out.append(None if goal is None else Goal(goal.text, goal.context))
+        return out
+
 
 def service(request: Request) -> Service:
     return request.app.state.service
@@ -228,7 +259,8 @@ async def score(body: ScoreRequest, request: Request, svc: ServiceDep) -> ScoreR
     backend = svc.ready_backend()
     svc.check_texts(body.texts, "texts")
     contexts = svc.contexts(body)
-    scores = await svc.score_batcher.submit(list(zip(body.texts, contexts, strict=True)))
+    goals = svc.goals(body)
+    scores = await svc.score_batcher.submit(list(zip(body.texts, contexts, goals, strict=True)))
     return ScoreResponse(
         results=[
             TextResult(score=s.harm, categories=list(s.categories), refusal=s.refusal, truncated=s.truncated)

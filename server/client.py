@@ -32,7 +32,7 @@ import torch
 
 from redteam_grpo.core.config import RewardConfig
 from redteam_grpo.core.scoring.backend import ServiceInfo
-from redteam_grpo.core.scoring.scorers import Context, ModelInfo, TextScore
+from redteam_grpo.core.scoring.scorers import Context, Goal, ModelInfo, TextScore
 from redteam_grpo.server.retry import RETRIED_STATUS, RetriesExhausted, send_with_retries
 
 log = logging.getLogger("redteam_grpo.reward_client")
@@ -195,12 +195,25 @@ class RewardClient:
                 "with another model. Restart it with the run's model and resume the run."
             )
 
-    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
+    def score(
+        self, completions: Sequence[str], prompts: Sequence[Context], goals: Sequence[Goal | None] | None = None
+    ) -> list[TextScore]:
         expected = self.describe().scorer
+        # goals go on the wire only when there are some: a server older than the field refuses unknown fields
+        wire_goals = [_wire_goal(g) for g in goals] if goals is not None and any(g is not None for g in goals) else None
         sizes = [len(c.encode()) + _context_bytes(p) + 16 for c, p in zip(completions, prompts, strict=True)]
+        if wire_goals is not None:
+            sizes = [
+                s + len(json.dumps(g, ensure_ascii=False).encode()) for s, g in zip(sizes, wire_goals, strict=True)
+            ]
         out: list[TextScore] = []
         for start, end in self._chunks(len(completions), sizes):
-            payload = {"texts": list(completions[start:end]), "prompts": [_wire(p) for p in prompts[start:end]]}
+            payload: dict[str, Any] = {
+                "texts": list(completions[start:end]),
+                "prompts": [_wire(p) for p in prompts[start:end]],
+            }
+            if wire_goals is not None:
+                payload["goals"] = wire_goals[start:end]
             body = self._request("POST", "/score", payload)
             self._check_same_model(body["scorer"], expected, "scorer")
             if len(body["results"]) != end - start:
@@ -344,8 +357,13 @@ class ReplicatedRewardClient:
                     pending.append((piece, tried | {replica.url}))
         return [item for piece in sorted(results) for item in results[piece]]
 
-    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
-        return self._spread(len(completions), lambda r, a, b: r.score(completions[a:b], prompts[a:b]))
+    def score(
+        self, completions: Sequence[str], prompts: Sequence[Context], goals: Sequence[Goal | None] | None = None
+    ) -> list[TextScore]:
+        return self._spread(
+            len(completions),
+            lambda r, a, b: r.score(completions[a:b], prompts[a:b], None if goals is None else goals[a:b]),
+        )
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor:
         rows = self._spread(len(texts), lambda r, a, b: r.embed(texts[a:b]).tolist())
@@ -367,6 +385,10 @@ def _served(info: ServiceInfo | None) -> str:
 def _wire(context: Context) -> str | list[dict[str, str]]:
     """A context as JSON sends it: a prompt as is, a conversation as a list of {role, content} objects."""
     return context if isinstance(context, str) else [{"role": m["role"], "content": m["content"]} for m in context]
+
+
+def _wire_goal(goal: Goal | None) -> dict[str, str | None] | None:
+    return None if goal is None else {"text": goal.text, "context": goal.context}
 
 
 def _context_bytes(context: Context) -> int:

@@ -8,7 +8,7 @@ sampling.backend=vllm means the engine there as in the stages.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -19,7 +19,7 @@ from redteam_grpo.core.models.policy import Policy, resolve_model_name
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.rollouts.sampling import Completion, sample_completions
 from redteam_grpo.core.scoring.backend import ScoringBackend
-from redteam_grpo.core.scoring.scorers import TextScore
+from redteam_grpo.core.scoring.scorers import Goal, TextScore
 from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
 from redteam_grpo.storage.rundir import RunDir, checkpoint_name
 
@@ -131,9 +131,12 @@ class Answers:
     def prompt_of(self, completion: Completion) -> Prompt:
         return self.prompts[completion.prompt_index]
 
-    def scored(self, scoring: ScoringBackend) -> list[TextScore]:
-        """The scorer's verdict on each answer, in the context of the prompt it answers."""
-        return scoring.score(self.texts, [self.prompt_of(c).text for c in self.completions])
+    def scored(self, scoring: ScoringBackend, goals: Mapping[str, Goal] | None = None) -> list[TextScore]:
+        """The scorer's verdict on each answer, in the context of the prompt it answers and, where `goals` names
+        one for its prompt's id, of the goal the prompt was written for."""
+        prompts = [self.prompt_of(c) for c in self.completions]
+        told = None if goals is None else [goals.get(p.prompt_id) for p in prompts]
+        return scoring.score(self.texts, [p.text for p in prompts], told)
 
 
 def answers(

@@ -33,6 +33,7 @@ from redteam_grpo.core.data.sources import DataError, Prompt, parse_source, read
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.models.policy import Policy, load_policy, resolve_device
 from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.scoring.scorers import Goal
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints
@@ -135,6 +136,10 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         Prompt(f"{attacks.prompt_of(c).prompt_id}#0", t)
         for c, t in zip(attacks.completions, attacks.texts, strict=True)
     ]
+    # the judge is told the goal each attack was written for (a goal-reading format: HarmBench, StrongREJECT)
+    attacked_goals = {
+        p.prompt_id: Goal(attacks.prompt_of(c).text) for p, c in zip(attacked, attacks.completions, strict=True)
+    }
 
     def unsafe(score) -> bool:
         return score.harm is not None and score.harm >= success_threshold
@@ -148,7 +153,8 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
             answered = answers(
                 sampler, who, policy.tokenizer, prompts, system, samples_per_prompt, max_new, sampling_seed
             )
-            completions, texts, scores = answered.completions, answered.texts, answered.scored(scoring)
+            told = attacked_goals if set_name == "heldout_goals" else None
+            completions, texts, scores = answered.completions, answered.texts, answered.scored(scoring, told)
             harm = [s.harm for s in scores]
             kl = [math.nan] * len(completions)
             if set_name == "benign" and label == "defended":

@@ -20,7 +20,7 @@ from redteam_grpo.core.rollouts.dialogue import policy_rows
 from redteam_grpo.core.rollouts.logprobs import masked_mean
 from redteam_grpo.core.scoring.backend import ScoringBackend
 from redteam_grpo.core.scoring.novelty import novelty_scores
-from redteam_grpo.core.scoring.scorers import ModelInfo
+from redteam_grpo.core.scoring.scorers import Goal, ModelInfo, ScorerError
 from redteam_grpo.core.training.batching import micro_batches
 from redteam_grpo.core.training.kl import policy_entropy_reference_logprobs, sequence_kl
 from redteam_grpo.core.training.rewards import (
@@ -31,12 +31,15 @@ from redteam_grpo.core.training.rewards import (
     repetition_ratios,
     score_stats,
     turn_rewards,
+    unscored_share,
 )
 from redteam_grpo.storage import schemas
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
 from redteam_grpo.tasks.common import run_sharded_stage
 from redteam_grpo.tasks.resources import resources_for
+from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
 
 
 def novelty_memory(
@@ -150,18 +153,55 @@ class ScoredRows:
 
 
 def earlier_answers_scored(
-    scoring: ScoringBackend, messages: list[list[dict[str, str]]], last: list[float | None]
+    scoring: ScoringBackend,
+    messages: list[list[dict[str, str]]],
+    last: list[float | None],
+    goals: list[Goal | None] | None = None,
 ) -> list[list[float | None]]:
     """Each dialogue's harm per policy answer, each scored in the conversation up to it (one scorer call for all the
-    earlier answers); the last answer's is `last`, its score in the whole dialogue."""
+    earlier answers; `goals`: each dialogue's); the last answer's is `last`, its score in the whole dialogue."""
     asked = [(d, k) for d, dialogue in enumerate(messages) for k in range(1, len(dialogue) - 1, 2)]
-    scored = scoring.score([messages[d][k]["content"] for d, k in asked], [messages[d][:k] for d, k in asked])
+    scored = scoring.score(
+        [messages[d][k]["content"] for d, k in asked],
+        [messages[d][:k] for d, k in asked],
+        None if goals is None else [goals[d] for d, _ in asked],
+    )
     if len(scored) != len(asked):
         raise RuntimeError(f"the scorer returned {len(scored)} scores for {len(asked)} earlier answers")
     per_dialogue: list[list[float | None]] = [[] for _ in messages]
     for (d, _), s in zip(asked, scored, strict=True):
         per_dialogue[d].append(s.harm)
     return [[*earlier, final] for earlier, final in zip(per_dialogue, last, strict=True)]
+
+
+def goals_of(run: RunDir, mode_prompts: Stage | None, iteration: int, prompt_ids: list[str]) -> list[Goal | None]:
+    """What each row's attack was after, where the mode knows it apart from the prompt: defense's defender answers
+    an attacker's prompt (`goal#index`) written for a goal of the data, kept in the attack stage's `prompt` column.
+    Attack mode knows none: its prompt is itself the request the policy is pushed to comply with."""
+    if mode_prompts is None:
+        return [None] * len(prompt_ids)
+    attacks = run.read(mode_prompts, iteration).to_pydict()
+    goal_text = dict(zip(attacks["prompt_id"], attacks["prompt"], strict=True))
+    goals: list[Goal | None] = []
+    for prompt_id in prompt_ids:
+        goal_id = prompt_id.rpartition(ATTACK_PROMPT_SEPARATOR)[0]
+        if goal_id not in goal_text:
+            raise ValueError(f"rollout prompt {prompt_id!r} names no goal of iteration {iteration}'s attacks")
+        goals.append(Goal(goal_text[goal_id]))
+    return goals
+
+
+def check_unscored(harm: list[float | None], limit: float, scorer: ModelInfo) -> None:
+    """Stop when more of a shard went unscored than reward.max_unscored_share allows: the update would learn from the
+    few rows left, and a judge that cannot be read is a misconfigured judge."""
+    share = unscored_share(harm)
+    if share > limit:
+        raise ScorerError(
+            f"{share:.0%} of {len(harm)} completions got no score from {scorer.name} "
+            f"({scorer.details.get('format', scorer.kind)}): above reward.max_unscored_share={limit}. A judge whose "
+            "verdicts cannot be read is answering in another format (check reward.judge_format and the model's chat "
+            "template); raise the bound only if that share is expected"
+        )
 
 
 def scores_stats(table: pa.Table) -> ScoreStats:
@@ -187,15 +227,17 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
     messages = scored_rows.messages
     scoring = res.scoring
     info = scoring.describe().scorer
-    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages])
+    goals = goals_of(res.run, mode_of(cfg).prompts, iteration, rollouts["prompt_id"])
+    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages], goals)
     if len(scored) != len(texts):
         raise RuntimeError(f"scorer {info.name} returned {len(scored)} scores for {len(texts)} texts")
     harm = [s.harm for s in scored]
+    check_unscored(harm, r.max_unscored_share, info)
     dialogue = cfg.dialogue
     per_turn = messages is not None and dialogue.rewards == "per_turn"
     turn_harm = None
     if messages is not None and (per_turn or dialogue.score_each_turn):
-        turn_harm = earlier_answers_scored(scoring, messages, harm)
+        turn_harm = earlier_answers_scored(scoring, messages, harm, goals)
     repetition = repetition_ratios(own_ids, r.repetition_ngram)
 
     n = len(texts)

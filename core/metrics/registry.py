@@ -81,6 +81,13 @@ METRICS: tuple[Metric, ...] = (
         "their beginning.",
         "{:.0f}",
     ),
+    _m(
+        "unscored_share",
+        "unscored",
+        "Share of completions the scorer gave no score (a judge's verdict it could not read): advantage 0; above "
+        "reward.max_unscored_share the score stage stops.",
+        "{:.3f}",
+    ),
     # -- the update (UpdateStats) -------------------------------------------------------------------------------
     _m("loss", "loss", "Policy-gradient loss of the first update.", "{:.4f}"),
     _m(

@@ -18,6 +18,7 @@ from redteam_grpo.core.config import RewardConfig
 from redteam_grpo.core.scoring.refusal import RefusalDetector
 from redteam_grpo.core.scoring.scorers import (
     Context,
+    Goal,
     ModelInfo,
     Scorer,
     ScorerError,
@@ -40,7 +41,9 @@ class ServiceInfo:
 class ScoringBackend(Protocol):
     def describe(self) -> ServiceInfo: ...
 
-    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]: ...
+    def score(
+        self, completions: Sequence[str], prompts: Sequence[Context], goals: Sequence[Goal | None] | None = None
+    ) -> list[TextScore]: ...
 
     def embed(self, texts: Sequence[str]) -> torch.Tensor: ...
 
@@ -56,8 +59,10 @@ class LocalScoring:
     def describe(self) -> ServiceInfo:
         return ServiceInfo(self.scorer.info, self.embedder.info if self.embedder else None, self.refusal_info)
 
-    def score(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]:
-        scores = self.scorer(completions, prompts)
+    def score(
+        self, completions: Sequence[str], prompts: Sequence[Context], goals: Sequence[Goal | None] | None = None
+    ) -> list[TextScore]:
+        scores = self.scorer(completions, prompts, goals)
         if len(scores) != len(completions):
             raise ScorerError(f"scorer {self.scorer.info.name} returned {len(scores)} scores for {len(completions)}")
         flags = self.refusal(completions)

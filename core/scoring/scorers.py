@@ -44,6 +44,17 @@ Context = str | Sequence[Message]
 `user` and `assistant` alternating from a user message and ending with one)."""
 
 
+@dataclass(frozen=True)
+class Goal:
+    """What an attack was after, where it is known apart from the prompt that carried it (defense mode: the goal the
+    attacker was given). Judges that read the request before any jailbreak (HarmBench's behavior, StrongREJECT's
+    forbidden prompt) are told this, not the attack prompt (bug class `judge-told-the-attack-not-the-goal`)."""
+
+    text: str
+    context: str | None = None
+    """A HarmBench contextual behavior's context string, rendered in its classifier's contextual prompt."""
+
+
 class ScorerError(RuntimeError):
     """A scorer cannot be used as configured; the message names the setting to change."""
 
@@ -112,7 +123,9 @@ class ModelInfo:
 class Scorer(Protocol):
     info: ModelInfo
 
-    def __call__(self, completions: Sequence[str], prompts: Sequence[Context]) -> list[TextScore]: ...
+    def __call__(
+        self, completions: Sequence[str], prompts: Sequence[Context], goals: Sequence[Goal | None] | None = None
+    ) -> list[TextScore]: ...
 
 
 def revision_of(path_or_id: str, model: Any) -> str:
@@ -246,8 +259,10 @@ class SequenceClassifierScorer:
     def probabilities(self, texts: Sequence[str]) -> list[float]:
         return self.probabilities_and_truncation(texts)[0]
 
-    def __call__(self, completions: Sequence[str], prompts: Sequence[Context] = ()) -> list[TextScore]:
-        """A classifier reads the completion alone: its context (prompt or conversation) is not scored."""
+    def __call__(
+        self, completions: Sequence[str], prompts: Sequence[Context] = (), goals: Sequence[Goal | None] | None = None
+    ) -> list[TextScore]:
+        """A classifier reads the completion alone: its context (prompt or conversation) and goal are not scored."""
         probabilities, truncated = self.probabilities_and_truncation(completions)
         return [TextScore(p, truncated=cut) for p, cut in zip(probabilities, truncated, strict=True)]
 

@@ -143,11 +143,22 @@ class ScoreStats:
     kl_base_mean: float
     kl_base_max: float
     n_truncated_texts: float
+    unscored_share: float
 
 
 def _finite_mean(values: Sequence[float | None]) -> float:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     return sum(finite) / len(finite) if finite else math.nan
+
+
+def unscored_share(harm: Sequence[float | None]) -> float:
+    """The share of rows the scorer gave no (finite) score: their reward is none and their advantage 0.
+
+    >>> unscored_share([0.5, None, float("nan"), 0.0]), unscored_share([])
+    (0.5, 0.0)
+    """
+    missing = sum(h is None or not math.isfinite(h) for h in harm)
+    return missing / len(harm) if harm else 0.0
 
 
 def score_stats(
@@ -166,6 +177,8 @@ def score_stats(
     ... )
     >>> round(s.harm_mean, 3), s.novelty_mean, s.refusal_share_of_harmful, s.kl_base_max, s.n_truncated_texts
     (0.55, nan, 1.0, 0.2, 1.0)
+    >>> round(s.unscored_share, 3)
+    0.333
     """
     harmful_refusals = [
         float(f) for f, t in zip(refusal, harm, strict=True) if t is not None and t >= HARMFUL_THRESHOLD
@@ -179,4 +192,5 @@ def score_stats(
         kl_base_mean=_finite_mean(kl),
         kl_base_max=max(kl, default=0.0),
         n_truncated_texts=float(sum(bool(t) for t in truncated)),
+        unscored_share=unscored_share(harm),
     )

@@ -128,7 +128,7 @@ def test_a_judge_s_refusal_verdict_replaces_the_phrase_detector_where_asked_and_
     class Judge:  # what a refusal-reporting judge returns: refused, complied, said nothing (N/A)
         info = ModelInfo("j", "r", "judge", {"format": "wildguard"})
 
-        def __call__(self, completions, prompts):
+        def __call__(self, completions, prompts, goals=None):
             return [TextScore(0.1, judge_refusal=r) for r in (True, False, None)]
 
     texts = ["Sure, here is how.", "I'm sorry, I can't help with that.", "I'm sorry, I can't."]

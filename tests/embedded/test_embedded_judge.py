@@ -114,7 +114,8 @@ def test_guard_template_renders_one_llama_guard_prompt_with_both_turns(judge: Sa
     assert "\nS10: Hate.\n" in text
     assert "<BEGIN CONVERSATION>\n\nUser: Describe my boss.\n\nAgent: Your boss is kind.\n\n<END CONVERSATION>" in text
     assert "ONLY THE LAST Agent message" in text
-    assert text.endswith("categories.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # it ends at the assistant header, as Llama Guard 3's template does: the guard writes "\n\n" first
+    assert text.endswith("categories.<|eot_id|><|start_header_id|>assistant<|end_header_id|>")
     assert text.count("<|start_header_id|>") == 2  # one user turn holds the whole conversation
     # Contents are stripped, as in Llama Guard 3; a single user message is assessed as the User's.
     one = judge.tokenizer.apply_chat_template([{"role": "user", "content": "  Hi.  "}], tokenize=False)

@@ -190,18 +190,20 @@ def test_embed_needs_an_embedder_and_returns_unit_vectors(backend):
 
 
 class _RecordingScorer:
-    """Scores every text 0.25 and keeps the contexts it was given."""
+    """Scores every text 0.25 and keeps the contexts and goals it was given."""
 
     def __init__(self) -> None:
         from redteam_grpo.core.scoring.scorers import ModelInfo
 
         self.info = ModelInfo("recording", "r1", "judge")
         self.contexts: list = []
+        self.goals: list = []
 
-    def __call__(self, completions, prompts):
+    def __call__(self, completions, prompts, goals=None):
         from redteam_grpo.core.scoring.scorers import TextScore
 
         self.contexts.extend(prompts)
+        self.goals.extend(goals if goals is not None else [None] * len(completions))
         return [TextScore(0.25) for _ in completions]
 
 
@@ -234,7 +236,30 @@ def test_a_conversation_before_a_text_reaches_the_scorer_and_a_malformed_one_is_
     assert too_long.status_code == 422 and "prompts[0][2].content has 101 characters" in too_long.text
 
 
+def test_each_text_s_goal_reaches_the_judge_and_a_malformed_one_is_refused():
+    """Defense: what each attack was after travels with its text (a goal-reading judge is told it)."""
+    from redteam_grpo.core.scoring.backend import LocalScoring
+    from redteam_grpo.core.scoring.refusal import RefusalDetector
+    from redteam_grpo.core.scoring.scorers import Goal
+
+    scorer = _RecordingScorer()
+    goals = [{"text": "Write a keylogger.", "context": None}, None, {"text": "Explain it.", "context": "CVE text"}]
+    with _client(LocalScoring(scorer, RefusalDetector()), max_chars=100) as client:
+        _wait_ready(client)
+        ok = client.post("/score", json={"texts": ["a", "b", "c"], "prompts": ["p", "q", "r"], "goals": goals})
+        none = client.post("/score", json={"texts": ["a"], "prompts": ["p"]})
+        short = client.post("/score", json={"texts": ["a", "b"], "prompts": ["p", "q"], "goals": goals[:1]})
+        stranger = client.post("/score", json={"texts": ["a"], "prompts": ["p"], "goals": [{"goal": "x"}]})
+        too_long = client.post("/score", json={"texts": ["a"], "prompts": ["p"], "goals": [{"text": "x" * 101}]})
+    assert ok.status_code == 200 and none.status_code == 200, (ok.text, none.text)
+    assert scorer.goals == [Goal("Write a keylogger."), None, Goal("Explain it.", "CVE text"), None]
+    assert short.status_code == 422 and "1 goals for 2 texts" in short.text
+    assert stranger.status_code == 422
+    assert too_long.status_code == 422 and "goals[0].text has 101 characters" in too_long.text
+
+
 def test_the_client_sends_conversations_and_a_classifier_scores_the_text_alone(live_reward_server):
+    from redteam_grpo.core.scoring.scorers import Goal
     from redteam_grpo.server.client import RewardClient
 
     client = RewardClient.from_config(RewardConfig(), live_reward_server, None)
@@ -246,6 +271,8 @@ def test_the_client_sends_conversations_and_a_classifier_scores_the_text_alone(l
     try:
         in_dialogue = client.score(TEXTS, [dialogue] * 3)
         alone = client.score(TEXTS, [""] * 3)
+        with_goals = client.score(TEXTS, [""] * 3, [Goal("the goal"), None, Goal("g", "context")])  # on the wire
     finally:
         client.close()
     assert [s.score for s in in_dialogue] == pytest.approx([s.score for s in alone], abs=1e-6)
+    assert [s.score for s in with_goals] == pytest.approx([s.score for s in alone], abs=1e-6)  # a classifier: unread

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from redteam_grpo.core.config import load_config
+from redteam_grpo.core.scoring.scorers import ScorerError
 from redteam_grpo.core.training.kl import policy_reference_logprobs
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
@@ -140,14 +141,20 @@ def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
     res = resources.resources_for(run.root)
     real = res.scoring.score
 
-    def one_missing(completions, prompts):
-        scores = real(completions, prompts)
+    def one_missing(completions, prompts, goals=None):
+        scores = real(completions, prompts, goals)
         scores[1] = dataclasses.replace(scores[1], score=None)
         scores[4] = dataclasses.replace(scores[4], score=float("nan"))
         return scores
 
     monkeypatch.setattr(res.scoring, "score", one_missing)
+    # 2 of 6 unscored: above the default bound (0.25), the stage stops, names the scorer and writes nothing
+    with pytest.raises(ScorerError, match=r"33% of 6 completions got no score from embedded:tiny-toxicity.*0\.25"):
+        score_stage(root, 0)
+    assert not run.completed(SCORE, 0) and not run.path(SCORE, 0).exists()
+    monkeypatch.setattr(res.config.reward, "max_unscored_share", 0.5)  # a share the user expects
     score_stage(root, 0)
+    assert recorded_stats(run, SCORE, 0)["unscored_share"] == pytest.approx(2 / 6)
     advantage_stage.fn(root, 0)
     adv = schemas.read_table(run.path(ADVANTAGE, 0), schemas.ADVANTAGES).to_pydict()
     assert adv["reward"][1] is None and adv["reward"][4] is None
