@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NEW_JUDGE_TEST = "tests/core/test_judges_on_real_tokenizers.py::test_each_format_reads_its_score_after_what_its_model_writes_first"
 BUG_CLASSES = [
     (
         "damaged-checkpoint-trained-on",
@@ -184,14 +185,42 @@ BUG_CLASSES = [
         "core/scoring/judge.py",
         "                    at = answer_position(self.tokenizer, new_ids[row].tolist(), self.format.answer_prefix(verdict))",
         "                    at = 0",
-        "tests/core/test_judge_formats.py::test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path",
+        "tests/core/test_judges_on_real_tokenizers.py::test_each_format_reads_its_score_after_what_its_model_writes_first",
+    ),
+    (
+        "judge-score-read-before-its-answer",
+        "core/scoring/judge_formats.py",
+        '        answer_prefix=lambda generated: "\\n\\n",',
+        '        answer_prefix=lambda generated: "",',
+        f"{NEW_JUDGE_TEST}[llama-guard-3] {NEW_JUDGE_TEST}[llama-guard-3-1b] tests/embedded/test_embedded_judge.py::test_judge_scores_marker_replies_unsafe_s10_and_clean_ones_safe",
+    ),
+    (
+        "judge-typed-content-dropped",
+        "core/scoring/judge_formats.py",
+        'LLAMA_GUARD_3_1B = _llama_guard("llama-guard-3-1b", ("meta-llama/llama-guard-3-1b",), _render_typed_chat)',
+        'LLAMA_GUARD_3_1B = _llama_guard("llama-guard-3-1b", ("meta-llama/llama-guard-3-1b",), _render_chat)',
+        f"{NEW_JUDGE_TEST}[llama-guard-3-1b] tests/core/test_judges_on_real_tokenizers.py::test_the_1b_template_reads_typed_parts_and_the_8b_template_strings",
+    ),
+    (
+        "judge-choices-share-a-token",
+        "core/scoring/judge.py",
+        "        ids = self.tokenizer.encode(after + word, add_special_tokens=False)",
+        "        ids, after = self.tokenizer.encode(word, add_special_tokens=False), ''",
+        f"{NEW_JUDGE_TEST}[harmbench] {NEW_JUDGE_TEST}[harmbench-mistral]",
+    ),
+    (
+        "judge-told-the-attack-not-the-goal",
+        "tasks/score.py",
+        "    goals = goals_of(res.run, mode_of(cfg).prompts, iteration, rollouts[\"prompt_id\"])",
+        "    goals = None",
+        "tests/flows/test_defense.py::test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base",
     ),
     (
         "judge-input-bos-missing-or-doubled",
         "core/scoring/judge.py",
         "                add_special_tokens=self.format.tokenizer_adds_special_tokens,  # a template may hold its BOS",
         "                add_special_tokens=False,",
-        "tests/core/test_judge_formats.py::test_a_random_judge_of_each_format_s_architecture_runs_the_whole_path",
+        "tests/core/test_judges_on_real_tokenizers.py::test_each_format_reads_its_score_after_what_its_model_writes_first",
     ),
     (
         "judge-prompt-not-its-reference",
@@ -203,8 +232,8 @@ BUG_CLASSES = [
     (
         "judge-verdict-fields-misread",
         "core/scoring/judge_formats.py",
-        "    request, refusal, harmful = ({",
-        "    refusal, request, harmful = ({",
+        "    request, refusal, harmful = (read[v] if v in options else None for v, options in zip(values, allowed, strict=True))",
+        "    refusal, request, harmful = (read[v] if v in options else None for v, options in zip(values, allowed, strict=True))",
         "tests/core/test_judge_formats.py::test_each_documented_verdict_is_read_as_its_format_means_it",
     ),
     (

@@ -80,8 +80,19 @@ def test_sft_learns_the_pairs_and_writes_a_checkpoint_a_defense_run_can_start_fr
     assert manifest["system_prompt"] == run.stored_config().model.system_prompt
 
 
-def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path, attacker):
+def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path, attacker, monkeypatch):
+    from redteam_grpo.core.scoring.backend import LocalScoring
+
+    told = []  # the goals each scoring call was given (bug class judge-told-the-attack-not-the-goal)
+    score = LocalScoring.score
+
+    def recording(self, completions, prompts, goals=None):
+        told.append(list(goals) if goals is not None else None)
+        return score(self, completions, prompts, goals)
+
+    monkeypatch.setattr(LocalScoring, "score", recording)
     run = _defense(tmp_path, "two", attacker, "run.iterations=2")
+    training_calls = len(told)
     stages = run.manifest()["stages"]
     recorded = {k.split("/")[1] for k in stages if k.startswith("0/")}
     assert recorded == {"attack", "sample", "score", "advantage", "train_step", "checkpoint"}
@@ -93,6 +104,10 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert set(rollouts.prompt) == set(attacks.completion_text)
     assert set(rollouts.prompt_id.str.split("#").str[0]) == set(attacks.prompt_id)
     assert len(rollouts) == len(attacks) * cfg.sampling.group_size
+    # the judge is told each response's goal, the one its attacker's prompt was written for
+    goals = set(pd.concat(run.read(ATTACK, i).to_pandas() for i in (0, 1)).prompt)
+    assert training_calls >= 2 and all(call is not None and call for call in told[:training_calls])
+    assert {g.text for call in told[:training_calls] for g in call} <= goals
     scores = run.read(SCORE, 1).to_pandas()
     r = cfg.reward
     expected = (1 - scores.harm) - r.entropy_weight * scores.entropy - r.kl_weight * scores.kl
@@ -110,6 +125,10 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     # evaluation: every set for both policies in one file; its summary is what the report shows
     result = evaluate(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4), artifacts=False)
     rows = pd.read_parquet(result["path"])
+    evaluated = [call for call in told[training_calls:] if call is not None]  # the held-out goals' attacks only
+    assert len(evaluated) == 2 and {g.text for call in evaluated for g in call} <= set(
+        pd.read_json(BUNDLED_HELD_OUT, lines=True).goal
+    )
     assert rows.groupby(["policy", "set"]).size().to_dict() == {
         (policy, name): 4 * 2 for policy in ("base", "defended") for name in ("heldout_goals", "prompt_file", "benign")
     }
