@@ -1,6 +1,8 @@
-"""A random-weight model of Qwen3-4B's shape, saved with the embedded tokenizer, for the GPU benchmarks: no weights are
-downloaded (the GPU machines have no network), and speed and memory depend on the shape, not on the values.
-`--tiny` builds a small model of the same architecture, to try a benchmark on a CPU."""
+"""A random-weight model of Qwen3-4B's shape, saved with Qwen3-4B-Instruct-2507's real tokenizer and chat template
+(tests/real_tokenizers.py: files from packages on the index, fetched once into a cache; a GPU machine without network
+needs that cache carried, XDG_CACHE_HOME), for the benchmarks: no weights are downloaded, and speed and memory depend
+on the shape, not on the values. `--tiny` builds a small model of the same architecture, to try a benchmark on a CPU
+(with the embedded tokenizer, whose 838 ids fit its vocabulary)."""
 
 from __future__ import annotations
 
@@ -40,8 +42,17 @@ def build(folder: Path, tiny: bool = False, shape: str | None = None) -> Path:
     from redteam_grpo.core.models.policy import load_tokenizer
 
     transformers_logging.disable_progress_bar()
-    tokenizer = load_tokenizer(ModelConfig())
-    config = Qwen3Config(**SHAPES[shape or ("tiny" if tiny else "4b")], pad_token_id=tokenizer.pad_token_id)
+    shape = shape or ("tiny" if tiny else "4b")
+    if SHAPES[shape]["vocab_size"] < 151_669:  # the tiny shape's vocabulary holds the embedded tokenizer only
+        tokenizer = load_tokenizer(ModelConfig())
+    else:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests import real_tokenizers
+
+        tokenizer = real_tokenizers.qwen3()
+    config = Qwen3Config(**SHAPES[shape], pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         # built in bfloat16 directly: a float32 copy first would need twice the memory (16 GB at 4B)

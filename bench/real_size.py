@@ -5,14 +5,17 @@ only the batch shrunk, through the real stages and the real CLI, resume included
     python bench/real_size.py --mode attack --shape small --iterations 1   # the script's code, in a minute
     python bench/real_size.py --engine .vllm         # sampling on the vLLM engine, its own process (install-sampler)
 
-What it builds (once, under --cache): a random Qwen3-4B in bfloat16 (`bench/qwen3_4b.py`, no float32 copy) and,
-for defense, a random judge of Llama-Guard-3-1B's shape (Llama 3.2 1B: hidden 2048, 16 layers, vocabulary
-128,256) in bfloat16, both with the embedded tokenizers. What it runs: `redteam-grpo run --config
+What it builds (once, under --cache): a random Qwen3-4B in bfloat16 (`bench/qwen3_4b.py`, no float32 copy) with
+Qwen3-4B-Instruct-2507's real tokenizer and chat template and, for defense, a random judge of Llama-Guard-3-1B's
+shape (Llama 3.2 1B: hidden 2048, 16 layers, vocabulary 128,256) in bfloat16 with its real tokenizer (Llama 3's) and
+published template (tests/real_tokenizers.py; the files come from packages on the index, once, then a cache). A
+random judge writes no verdict, so no completion gets a score: the defense runs set reward.max_unscored_share=1,
+and their rewards are the KL, entropy and refusal terms only. What it runs: `redteam-grpo run --config
 configs/qwen3-4b-instruct.yaml` (and `defense --config configs/defense-qwen3-4b.yaml`) with the model, scorer,
 data source and device replaced and the batch shrunk (--prompts x --group x --tokens), for --iterations, then
 `--resume` for one iteration more. Every setting the configs ship (learning rate, micro-batches, tolerances,
 dtype) is left as is, the first-update check at its default, unless `--set KEY=VALUE` says otherwise. The random
-model's tied embeddings are scaled so that it draws the ids the embedded tokenizer has text for (bench/qwen3_4b.py):
+model's tied embeddings are scaled so that it draws the ids the tokenizer has text for (bench/qwen3_4b.py):
 its logits spread about 5 wide, where bfloat16 rounding between the sampler's cached decode and the trainer's full
 forward is KL 5.8e-3 to 8.2e-3 per token, under the default bound, which grows with the depth and the logits'
 squared scale (5.5e-2 here; bench/README.md, section 8).
@@ -60,16 +63,17 @@ SMALL_GUARD.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
 def build_judge(folder: Path, shape: dict) -> Path:
-    """A random Llama of `shape` in bfloat16 with the embedded judge's tokenizer (its chat template and verdict
-    words), saved once."""
+    """A random Llama of `shape` in bfloat16 with Llama-Guard-3-1B's real tokenizer and published template, saved
+    once."""
     if (folder / "config.json").exists():
         return folder
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from redteam_grpo.core.models.policy import resolve_model_name
+    sys.path.insert(0, str(ROOT))
+    from tests import real_tokenizers
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_name("embedded:tiny-guard"))
+    tokenizer = real_tokenizers.with_template(real_tokenizers.llama3(), "llama_guard_3_1b.jinja")
     torch.manual_seed(0)
     config = LlamaConfig(**shape, pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)  # bfloat16 directly: no float32 copy
@@ -236,8 +240,10 @@ def main() -> None:
             args.cache / f"llama-guard-3-1b-{args.shape}-random",
             LLAMA_GUARD_3_1B if args.shape == "4b" else SMALL_GUARD,
         )
-        # a folder: its format is named (a hub id would choose it)
-        modes["defense"][2].extend([f"reward.scorer={judge}", "reward.judge_format=llama-guard-3"])
+        # a folder: its format is named (a hub id would choose it); a random judge scores nothing (see above)
+        modes["defense"][2].extend(
+            [f"reward.scorer={judge}", "reward.judge_format=llama-guard-3-1b", "reward.max_unscored_share=1"]
+        )
         weights_judge = weight_bytes(judge)
     results = {"shape": args.shape, "policy_weights_gb": round(weights / 1e9, 3), "modes": {}}
     engine = None

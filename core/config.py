@@ -38,6 +38,11 @@ class ModelConfig(_Section):
     """Weights dtype. float32 on CPU; bfloat16 on GPUs."""
     system_prompt: str | None = "You are a helpful assistant."
     """System message put before every prompt (the same for sampling, SFT, inference). None for no system turn."""
+    enable_thinking: bool | None = None
+    """For a model with a thinking mode (Qwen3's hybrid templates read `enable_thinking`): false renders every prompt
+    in its non-thinking mode (the template opens the answer with an empty think block, as the model card says to);
+    true or None: the template's default, the model may think, and its thinking is part of the completion that is
+    scored and trained. Refused for a template that does not read it (Qwen3-*-Instruct-2507 has no thinking mode)."""
     max_prompt_tokens: int = Field(256, gt=0)
     """Prompts longer than this many tokens (after chat formatting) are refused at load time."""
     lora_rank: int = Field(16, gt=0)

@@ -30,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NEW_JUDGE_TEST = "tests/core/test_judges_on_real_tokenizers.py::test_each_format_reads_its_score_after_what_its_model_writes_first"
+NEW_JUDGE_TEST = (
+    "tests/core/test_judges_on_real_tokenizers.py::test_each_format_reads_its_score_after_what_its_model_writes_first"
+)
 BUG_CLASSES = [
     (
         "damaged-checkpoint-trained-on",
@@ -211,7 +213,7 @@ BUG_CLASSES = [
     (
         "judge-told-the-attack-not-the-goal",
         "tasks/score.py",
-        "    goals = goals_of(res.run, mode_of(cfg).prompts, iteration, rollouts[\"prompt_id\"])",
+        '    goals = goals_of(res.run, mode_of(cfg).prompts, iteration, rollouts["prompt_id"])',
         "    goals = None",
         "tests/flows/test_defense.py::test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base",
     ),

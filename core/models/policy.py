@@ -101,6 +101,16 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(tokenizer, "chat_template", None) is None:
         raise PolicyError(f"{cfg.policy} has no chat template: use an instruct/chat model")
+    if cfg.enable_thinking is not None:
+        if "enable_thinking" not in tokenizer.chat_template:
+            raise PolicyError(
+                f"model.enable_thinking is set, but {cfg.policy}'s chat template does not read enable_thinking (a "
+                "model without a thinking mode): unset model.enable_thinking"
+            )
+        # one place for every rendering (sampling, SFT, dialogues, evaluation; the engine gets these ids): the
+        # template sees the setting as if each call passed enable_thinking=...
+        flag = "true" if cfg.enable_thinking else "false"
+        tokenizer.chat_template = "{%- set enable_thinking = " + flag + " -%}\n" + tokenizer.chat_template
     return tokenizer
 
 

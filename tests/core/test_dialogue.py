@@ -34,12 +34,17 @@ THINK_STRIPPING_TEMPLATE = CHAT_TEMPLATE.replace(
 )
 
 
-@pytest.fixture
-def tokenizer(embedded_assets):
+@pytest.fixture(params=["embedded", "qwen3-4b-instruct-2507"])
+def tokenizer(request, embedded_assets):
+    """The embedded policy's tokenizer, and the shipped configs' policy's real one with its published template."""
     from redteam_grpo.core.config import ModelConfig
     from redteam_grpo.core.models.policy import load_tokenizer
 
-    return load_tokenizer(ModelConfig())
+    if request.param == "embedded":
+        return load_tokenizer(ModelConfig())
+    from tests import real_tokenizers as real
+
+    return copy.deepcopy(real.qwen3())
 
 
 def _eot(tokenizer) -> list[int]:
@@ -97,8 +102,15 @@ def test_a_turn_is_carried_into_the_next_prompt_as_sampled_where_encoding_its_te
 
 
 def test_a_template_that_rewrites_earlier_turns_does_not_change_the_ids_a_turn_was_sampled_with(tokenizer):
+    """Qwen3's hybrid template drops the <think> block of every earlier assistant turn when it renders (the model
+    card's "no thinking content in history"): a dialogue built by appending ids keeps what was sampled."""
     thinking = copy.deepcopy(tokenizer)
-    thinking.chat_template = THINK_STRIPPING_TEMPLATE
+    if tokenizer.convert_tokens_to_ids("<think>") == 151667:  # the real Qwen tokenizer: Qwen3-4B's published template
+        from tests import real_tokenizers as real
+
+        thinking.chat_template = real.template("qwen3_4b.jinja")
+    else:
+        thinking.chat_template = THINK_STRIPPING_TEMPLATE
     glue = TurnGlue.from_tokenizer(thinking, _eot(thinking))
     first = format_prompt_ids(thinking, "Hi", SYSTEM)
     sampled = [*_encode(thinking, "<think>plan it</think>Sure."), glue.closing_id]

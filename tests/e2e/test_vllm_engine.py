@@ -217,6 +217,60 @@ def test_a_bfloat16_three_turn_run_samples_every_turn_through_the_engine(tmp_pat
     assert list(second.prompt_token_ids[: len(first.prompt_token_ids)]) == list(first.prompt_token_ids)
 
 
+@pytest.fixture(scope="module")
+def real_tokenizer_engine(engine_env, tmp_path_factory):
+    """The engine serving a random tiny Qwen3 with Qwen3-4B-Instruct-2507's real tokenizer and chat template."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests import real_tokenizers as real
+
+    folder = tmp_path_factory.mktemp("qwen3-real-tokenizer")
+    tokenizer = real.qwen3()
+    config = Qwen3Config(
+        vocab_size=151_936,  # Qwen3's, with the padding rows past the tokenizer's 151,669
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,  # the CPU engine's attention takes no head of 16
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    served = Engine(engine_env, folder.parent / "engine.log", str(folder)).start()
+    yield served, folder, tokenizer
+    served.stop()
+
+
+def test_the_engine_on_the_real_qwen_tokenizer_renders_and_keeps_the_prompt_ids_of_the_in_process_path(
+    real_tokenizer_engine,
+):
+    """vLLM loads the real tokenizer and template from the model folder: its own rendering of a conversation is the
+    in-process prompt ids, and what it samples from those ids stops at the model's own end-of-turn ids."""
+    from redteam_grpo.core.models.chat import end_of_turn_ids
+
+    engine, folder, tokenizer = real_tokenizer_engine
+    system, prompt = "You are a helpful assistant.", "How do I pick a lock? 请用中文回答。"
+    ours = format_prompt_ids(tokenizer, prompt, system)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+    body = {"model": str(folder), "messages": messages, "add_generation_prompt": True}
+    rendered = httpx.post(engine.url + "/tokenize", json=body, timeout=60)
+    assert rendered.status_code == 200, rendered.text
+    assert rendered.json()["tokens"] == ours
+    stops = end_of_turn_ids(tokenizer)
+    assert stops == [151643, 151645]
+    completions = VllmSampler(engine.url, retries=0).sample(str(folder), [ours], 4, 24, 1.0, 7, stops, [])
+    assert len(completions) == 4  # the client refuses a completion whose echoed prompt ids are not the ones sent
+    for completion in completions:
+        ids = completion.completion_ids
+        assert all(i not in stops for i in ids[:-1]) and len(completion.sample_logprobs) == len(ids)
+        assert all(i < 151_936 for i in ids)
+
+
 def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
     sampler = VllmSampler(engine.url, retries=0)
     with pytest.raises(SamplerError, match="refused the request: HTTP 404"):
