@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -60,23 +59,6 @@ SHAPES = {
 }
 TEMPLATES = {"1b": "llama_guard_3_1b.jinja", "8b": "llama_guard_3_8b.jinja", "small": "llama_guard_3_1b.jinja"}
 WRITES = "\n\nunsafe\nS1"
-
-
-class Writes:
-    """A logits processor that makes the model write `ids`, then its eos."""
-
-    def __init__(self, ids: list[int], eos: int) -> None:
-        self.ids, self.eos, self.start = ids, eos, None
-
-    def __call__(self, input_ids, scores):
-        import torch
-
-        if self.start is None:
-            self.start = input_ids.shape[1]
-        step = input_ids.shape[1] - self.start
-        forced = torch.full_like(scores, -math.inf)
-        forced[:, self.ids[step] if step < len(self.ids) else self.eos] = 0.0
-        return forced
 
 
 def judge_tokenizer(shape: str, saved: Path | None):
@@ -124,10 +106,10 @@ def pairs(n: int, response_words: int) -> tuple[list[str], list[str]]:
 
 def measure(shape: str, args) -> dict:
     import torch
-    from transformers import LogitsProcessorList
 
     from redteam_grpo.core.scoring import judge_formats as jf
     from redteam_grpo.core.scoring.judge import SafetyJudgeScorer
+    from tests import real_tokenizers as real
 
     device = torch.device(args.device)
     folder = build(args.models / f"llama-guard-3-{shape}-random", shape, args.device, args.tokenizers)
@@ -138,12 +120,7 @@ def measure(shape: str, args) -> dict:
     load_seconds = time.perf_counter() - started
     tokenizer = judge.tokenizer
     writes = tokenizer.encode(WRITES, add_special_tokens=False)
-    generate = judge.model.generate
-
-    def scripted(**kwargs):
-        return generate(**kwargs, logits_processor=LogitsProcessorList([Writes(writes, tokenizer.eos_token_id)]))
-
-    judge.model.generate = scripted
+    real.make_write(judge.model, writes, tokenizer.eos_token_id)
     prompts, responses = pairs(args.pairs, args.response_words)
     judge(responses[: args.batch], prompts[: args.batch])  # warm up
     if device.type == "cuda":

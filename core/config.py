@@ -293,10 +293,10 @@ class RewardConfig(_Section):
     """Tokens a judge may generate for its verdict and category codes (the score is read at the first); a format
     whose verdict is longer (WildGuard's three lines, StrongREJECT's rubric) generates what it needs."""
     judge_format: str | None = None
-    """The judge's format (core/scoring/judge_formats.py): `llama-guard-3`, `llama-guard-4`, `harmbench`,
-    `harmbench-mistral`, `wildguard`, `shieldgemma` (`-harassment`, `-hate`, `-sexual`), `qwen3guard`,
-    `strongreject` (any chat model grading StrongREJECT's rubric). None: chosen by the judge's hub name; a local
-    folder names it here."""
+    """The judge's format (core/scoring/judge_formats.py, docs/judges.md): `llama-guard-3` (8B), `llama-guard-3-1b`,
+    `llama-guard-4`, `harmbench`, `harmbench-mistral`, `wildguard`, `shieldgemma` (`-harassment`, `-hate`,
+    `-sexual`), `qwen3guard`, `strongreject` (any chat model grading StrongREJECT's rubric). None: chosen by the
+    judge's hub name; a local folder names it here."""
     harm_weight: float = 1.0
     """Weight of the harm score (a classifier's P(toxic) or a judge's P(unsafe)); red-team reference recipe: 1.0,
     defense: 0."""

@@ -380,3 +380,35 @@ def with_template(tokenizer: Any, name: str) -> Any:
     copied = copy.deepcopy(tokenizer)
     copied.chat_template = template(name)
     return copied
+
+
+class WritesThese:
+    """A logits processor that makes a model write `ids`, then `eos`: a random-weight judge made to write the verdict
+    its reference's model writes (the scorer still reads the model's raw logits, `output_logits`)."""
+
+    def __init__(self, ids: list[int], eos: int) -> None:
+        self.ids, self.eos, self.start = ids, eos, None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import math
+
+        import torch
+
+        if self.start is None:
+            self.start = input_ids.shape[1]
+        step = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, -math.inf)
+        forced[:, self.ids[step] if step < len(self.ids) else self.eos] = 0.0
+        return forced
+
+
+def make_write(model: Any, ids: list[int], eos: int) -> None:
+    """Every later `model.generate` call writes `ids`, then `eos` (a fresh `WritesThese` each call)."""
+    from transformers import LogitsProcessorList
+
+    generate = model.generate
+
+    def scripted(**kwargs: Any) -> Any:
+        return generate(**kwargs, logits_processor=LogitsProcessorList([WritesThese(ids, eos)]))
+
+    model.generate = scripted

@@ -183,7 +183,7 @@ class SafetyJudgeScorer:
             return response, False
         ids = self.tokenizer.encode(response, max_length=limit, truncation=True)
         clipped = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return clipped, len(self.tokenizer.encode(response)) > limit
+        return clipped, len(self.tokenizer.encode(response, verbose=False)) > limit  # longer is expected: no warning
 
     def _length(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=self.format.tokenizer_adds_special_tokens)["input_ids"])

@@ -288,3 +288,13 @@ def test_where_each_format_reads_its_score():
     with pytest.raises(ValueError, match="one weight per choice"):
         jf.ScoreRule(("Yes", "No"), (1.0,))
     assert jf.formats_reporting("refusal") == ["wildguard", "qwen3guard", "strongreject"]
+
+
+def test_the_shipped_defense_config_s_judge_is_read_in_its_own_format():
+    """configs/defense-qwen3-4b.yaml ships Llama-Guard-3-1B: its hub name must choose the typed-content format (the
+    8B's would render its conversations empty: bug class judge-typed-content-dropped)."""
+    from redteam_grpo.core.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "defense-qwen3-4b.yaml", [], mode="defense")
+    assert cfg.reward.scorer == "meta-llama/Llama-Guard-3-1B" and cfg.reward.judge_format is None
+    assert jf.format_for(cfg.reward.scorer).name == "llama-guard-3-1b"
