@@ -507,8 +507,8 @@ BUG_CLASSES = [
     (
         "dialogue-judged-on-last-exchange-only",
         "tasks/score.py",
-        '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages])',
-        '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[-2]["content"] for m in messages])',
+        '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages], goals)',
+        '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[-2]["content"] for m in messages], goals)',
         "tests/flows/test_dialogues.py::test_a_three_turn_defense_iteration_lets_the_attacker_continue_its_first_turn",
     ),
     (
