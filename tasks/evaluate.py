@@ -112,9 +112,21 @@ def prompt_set(source: str, setting: str, column: str, id_column: str | None, li
     if not rows:
         raise DataError(f"{setting} {source} holds no non-empty {column!r}")
     rows = random.Random(seed).sample(rows, min(limit, len(rows)))
-    return [
-        Prompt(str(r[id_column]) if id_column in frame.columns else f"row{i}", r[column]) for i, r in enumerate(rows)
-    ]
+    context_column = spec.context_column
+    if context_column is not None and context_column not in frame.columns:
+        raise DataError(
+            f"{setting} {spec.source}: no column {context_column!r} (columns: {list(frame.columns)}); name the "
+            f"context column with {spec.source}?context_column=NAME"
+        )
+    prompts = []
+    for i, r in enumerate(rows):
+        prompt_id = str(r[id_column]) if id_column in frame.columns else f"row{i}"
+        context = r[context_column] if context_column is not None else None
+        if isinstance(context, str) and context.strip():  # HarmBench's test case: the context, a rule, the request
+            prompts.append(Prompt(prompt_id, f"{context}\n\n---\n\n{r[column]}", behavior=r[column], context=context))
+        else:
+            prompts.append(Prompt(prompt_id, r[column]))
+    return prompts
 
 
 def _embedder(cfg: Any, device: Any):

@@ -136,6 +136,8 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         Prompt(f"{attacks.prompt_of(c).prompt_id}#0", t)
         for c, t in zip(attacks.completions, attacks.texts, strict=True)
     ]
+    # a contextual behavior's request and context, which HarmBench's classifier reads apart (its prompt_contextual)
+    contextual = {p.prompt_id: Goal(p.behavior, p.context) for p in fixed if p.behavior is not None} or None
     # the judge is told the goal each attack was written for (a goal-reading format: HarmBench, StrongREJECT)
     attacked_goals = {
         p.prompt_id: Goal(attacks.prompt_of(c).text) for p, c in zip(attacked, attacks.completions, strict=True)
@@ -153,7 +155,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
             answered = answers(
                 sampler, who, policy.tokenizer, prompts, system, samples_per_prompt, max_new, sampling_seed
             )
-            told = attacked_goals if set_name == "heldout_goals" else None
+            told = {"heldout_goals": attacked_goals, "prompt_file": contextual}.get(set_name)
             completions, texts, scores = answered.completions, answered.texts, answered.scored(scoring, told)
             harm = [s.harm for s in scores]
             kl = [math.nan] * len(completions)

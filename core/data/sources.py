@@ -29,6 +29,10 @@ class DataError(ValueError):
 class Prompt:
     prompt_id: str
     text: str
+    behavior: str | None = None
+    """A contextual behavior's request without its context (`text` holds both, as HarmBench's test cases do)."""
+    context: str | None = None
+    """That behavior's context string (HarmBench's ContextString), which its classifier reads apart."""
 
 
 def read_frame(
@@ -78,7 +82,7 @@ def _is_bundled(source: str) -> bool:
     return source == BUNDLED or source.startswith(BUNDLED + ":")
 
 
-SOURCE_OPTIONS = ("subset", "split", "column", "response_column", "id_column")
+SOURCE_OPTIONS = ("subset", "split", "column", "response_column", "id_column", "context_column")
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,13 @@ class SourceSpec:
     which subset, split, columns and rows of a hub dataset or file to read.
 
     `subset` and `split` (hub datasets only), `column` (the prompt text), `response_column` (a reference reply),
-    `id_column`; any other key keeps only the rows whose column of that name holds the value, compared as text
-    (a key given twice keeps rows holding either value). Examples: `walledai/HarmBench?subset=standard`,
-    `walledai/XSTest?label=safe` (over-refusal needs XSTest's safe prompts only),
-    `harmbench_behaviors_text_all.csv?column=Behavior&FunctionalCategory=standard`.
+    `id_column`, `context_column` (a contextual behavior's context string: the prompt is then
+    `CONTEXT\\n\\n---\\n\\nBEHAVIOR`, as HarmBench's test cases put it, and HarmBench's classifier reads the two
+    apart in its contextual prompt); any other key keeps only the rows whose column of that name holds the value,
+    compared as text (a key given twice keeps rows holding either value). Examples:
+    `walledai/HarmBench?subset=standard`, `walledai/XSTest?label=safe` (over-refusal needs XSTest's safe prompts only),
+    `harmbench_behaviors_text_all.csv?column=Behavior&FunctionalCategory=standard`,
+    `walledai/HarmBench?subset=contextual&context_column=context`.
     """
 
     source: str
@@ -99,6 +106,7 @@ class SourceSpec:
     column: str | None = None
     response_column: str | None = None
     id_column: str | None = None
+    context_column: str | None = None
     where: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
 
 

@@ -154,22 +154,24 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     pd.concat([benign.prompt.to_frame().assign(label="safe"), harmful.prompt.to_frame().assign(label="unsafe")]).to_csv(
         xstest, index=False
     )
-    behaviours = tmp_path / "behaviours.csv"
+    behaviours = tmp_path / "behaviours.csv"  # HarmBench's contextual behaviors: a ContextString beside the request
     pd.DataFrame(
         {
             "Behavior": [*harmful.prompt, *benign.prompt],
             "FunctionalCategory": ["standard"] * len(harmful) + ["copyright"] * len(benign),
+            "ContextString": [f"Context {i}." for i in range(len(harmful))] + [None] * len(benign),
         }
     ).to_csv(behaviours, index=False)
     retention = tmp_path / "retention.parquet"
     benign.rename(columns={"prompt": "instruction", "response": "output"}).to_parquet(retention)
+    before = len(told)
     public = evaluate(
         str(run.root),
         EvaluationOptions(
             samples_per_prompt=2,
             num_prompts=4,
             benign=f"{xstest}?label=safe",
-            prompt_file=f"{behaviours}?column=Behavior&FunctionalCategory=standard",
+            prompt_file=f"{behaviours}?column=Behavior&FunctionalCategory=standard&context_column=ContextString",
             retention=f"{retention}?column=instruction&response_column=output",
             seed=1,
         ),
@@ -177,7 +179,12 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     )
     public_rows = pd.read_parquet(public["path"])
     assert set(public_rows[public_rows.set == "benign"].prompt) <= set(benign.prompt)  # no unsafe contrast
-    assert set(public_rows[public_rows.set == "prompt_file"].prompt) <= set(harmful.prompt)
+    contextual = {f"Context {i}.\n\n---\n\n{p}" for i, p in enumerate(harmful.prompt)}  # HarmBench's test case
+    assert set(public_rows[public_rows.set == "prompt_file"].prompt) <= contextual
+    # the judge is told each contextual behavior's request and context apart (HarmBench's prompt_contextual)
+    told_context = [g for call in told[before:] if call for g in call if g is not None and g.context]
+    assert len(told_context) == 2 * 4 * 2  # base and defended, 4 prompts x 2 samples each
+    assert all(f"{g.context}\n\n---\n\n{g.text}" in contextual for g in told_context)
     for policy in ("base", "defended"):  # the same reference replies under other names: the same perplexity
         assert public[policy]["perplexity_benign"] == pytest.approx(result[policy]["perplexity_benign"], rel=1e-6)
     with pytest.raises(DataError, match=r"--benign .*xstest.csv: \?lable=\.\.\. keeps rows by a column 'lable'"):
