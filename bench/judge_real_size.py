@@ -27,36 +27,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-# meta-llama/Llama-Guard-3-1B's config.json (Llama 3.2 1B) and -8B's (Llama 3.1 8B)
-SHAPES = {
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-}
+SHAPES = {"1b": "LLAMA_GUARD_3_1B", "8b": "LLAMA_GUARD_3_8B", "small": "SMALL_GUARD"}
+"""bench/real_size.py's shapes of Llama-Guard-3-1B (Llama 3.2 1B) and -8B (Llama 3.1 8B), and a small one."""
 TEMPLATES = {"1b": "llama_guard_3_1b.jinja", "8b": "llama_guard_3_8b.jinja", "small": "llama_guard_3_1b.jinja"}
 WRITES = "\n\nunsafe\nS1"
 
@@ -74,24 +46,11 @@ def judge_tokenizer(shape: str, saved: Path | None):
 
 
 def build(folder: Path, shape: str, device: str, saved: Path | None) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(HERE))
+    import real_size
 
     tokenizer = judge_tokenizer(shape, saved)
-    config = LlamaConfig(
-        **SHAPES[shape],
-        vocab_size=128_256,
-        max_position_embeddings=131_072,
-        rope_theta=500_000.0,
-        bos_token_id=128000,
-        eos_token_id=128009,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)  # bfloat16 directly
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return real_size.build_judge(folder, getattr(real_size, SHAPES[shape]), TEMPLATES[shape], device, tokenizer)
 
 
 def pairs(n: int, response_words: int) -> tuple[list[str], list[str]]:

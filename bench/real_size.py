@@ -58,25 +58,37 @@ LLAMA_GUARD_3_1B = {
     "rope_theta": 500_000.0,
     "tie_word_embeddings": True,
 }
+# meta-llama/Llama-Guard-3-8B's (Llama 3.1 8B)
+LLAMA_GUARD_3_8B = {**LLAMA_GUARD_3_1B, "hidden_size": 4096, "intermediate_size": 14_336, "num_hidden_layers": 32}
+LLAMA_GUARD_3_8B.update(head_dim=128, tie_word_embeddings=False)
 SMALL_GUARD = {**LLAMA_GUARD_3_1B, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2}
 SMALL_GUARD.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
-def build_judge(folder: Path, shape: dict) -> Path:
-    """A random Llama of `shape` in bfloat16 with Llama-Guard-3-1B's real tokenizer and published template, saved
-    once."""
+def build_judge(
+    folder: Path, shape: dict, template: str = "llama_guard_3_1b.jinja", device: str = "cpu", tokenizer=None
+) -> Path:
+    """A random Llama of `shape` in bfloat16 (built on `device`) with Llama 3's real tokenizer and the published
+    `template` of tests/references (or `tokenizer`, one that carries it), saved once."""
     if (folder / "config.json").exists():
         return folder
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(ROOT))
-    from tests import real_tokenizers
+    if tokenizer is None:
+        sys.path.insert(0, str(ROOT))
+        from tests import real_tokenizers
 
-    tokenizer = real_tokenizers.with_template(real_tokenizers.llama3(), "llama_guard_3_1b.jinja")
+        tokenizer = real_tokenizers.with_template(real_tokenizers.llama3(), template)
     torch.manual_seed(0)
-    config = LlamaConfig(**shape, pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)  # bfloat16 directly: no float32 copy
+    config = LlamaConfig(
+        **shape,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,  # <|eot_id|>: generation stops where Llama Guard's verdict ends
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)  # bfloat16 directly: no float32 copy
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -58,9 +58,13 @@ def _same_family(name: str) -> str:
     return ", ".join(n for n, f in FORMATS.items() if f.needs_chat_template and n.split("-")[0] == name.split("-")[0])
 
 
-def answer_position(tokenizer, generated_ids: Sequence[int], prefix: str | None) -> int | None:
+def answer_position(
+    tokenizer, generated_ids: Sequence[int], prefix: str | None, skip_special_tokens: bool = True
+) -> int | None:
     """The index of the generated token that answers: the first k at which the decoded ids[:k] are `prefix` (what
     the format writes before its answer; "" for an answer that comes first). None when the judge wrote otherwise.
+    `skip_special_tokens=False`: special tokens are text of the prefix (a choice taken after "[/INST]", a control
+    token of Mistral-v0.3's vocabulary).
 
     >>> class Chars:  # one character per id
     ...     def decode(self, ids, skip_special_tokens=True): return "".join(map(chr, ids))
@@ -70,7 +74,7 @@ def answer_position(tokenizer, generated_ids: Sequence[int], prefix: str | None)
     if prefix is None:
         return None
     for k in range(len(generated_ids) + 1):
-        decoded = tokenizer.decode(list(generated_ids[:k]), skip_special_tokens=True)
+        decoded = tokenizer.decode(list(generated_ids[:k]), skip_special_tokens=skip_special_tokens)
         if decoded == prefix:
             return k
         if len(decoded) > len(prefix):
@@ -139,12 +143,9 @@ class SafetyJudgeScorer:
         a word than alone, as a byte-level BPE writes "\\n\\n" before "safe")."""
         after = self.format.score.after
         ids = self.tokenizer.encode(after + word, add_special_tokens=False)
-        for k in range(len(ids)):
-            decoded = self.tokenizer.decode(ids[:k], skip_special_tokens=False)
-            if decoded == after:
-                return ids[k]
-            if len(decoded) > len(after):
-                break
+        at = answer_position(self.tokenizer, ids, after, skip_special_tokens=False)
+        if at is not None and at < len(ids):
+            return ids[at]
         raise ScorerError(
             f"the judge's tokenizer does not encode {word!r} as tokens of its own after {after!r} "
             f"({self.tokenizer.convert_ids_to_tokens(ids)}): its probability cannot be read at one position"
