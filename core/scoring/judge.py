@@ -52,7 +52,8 @@ MIN_CONTENT_TOKENS = 16  # below this, a judge's max_length leaves no room to ju
 
 
 def _same_family(name: str) -> str:
-    """The formats that render through a chat template, for an error that asks the user to name the right one."""
+    """The chat-template formats of `name`'s family (`llama-guard-3`, `-3-1b`, `-4`), for an error that asks the user to
+    name the right one."""
     from redteam_grpo.core.scoring.judge_formats import FORMATS
 
     return ", ".join(n for n, f in FORMATS.items() if f.needs_chat_template and n.split("-")[0] == name.split("-")[0])
