@@ -95,11 +95,14 @@ class SamplingConfig(_Section):
     `sampler/` folder (the adapters it loads) at the same path: same machine or a shared volume."""
 
 
-# The bounds [low, high] on rho of each mismatch correction when the config leaves them unset (None: unbounded):
-# Yao et al. 2025 (truncated IS, C = 2), TRL's GRPOConfig defaults (vllm_importance_sampling_clip_max 3.0, no min),
-# IcePop (Ling Team 2025, arXiv:2510.18855: alpha 0.5, beta 5).
+# The bounds [low, high] on rho of each mismatch correction when the config leaves them unset (None: unbounded).
+# token_truncate: Yao et al. 2025's truncated IS, C = 2 (this project's default; TRL's token_truncate mode caps at 3,
+# TRL's one default for every mode). sequence_truncate and sequence_mask: TRL's GRPOConfig default
+# (vllm_importance_sampling_clip_max 3.0, formerly vllm_importance_sampling_cap; clip_min None). icepop: IcePop
+# (Ling Team 2025, arXiv:2510.18855: alpha 0.5, beta 5).
 CORRECTION_BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "token_truncate": (None, 2.0),
+    "sequence_truncate": (None, 3.0),
     "sequence_mask": (None, 3.0),
     "icepop": (0.5, 5.0),
 }
@@ -137,21 +140,25 @@ class TrainingConfig(_Section):
     (the GRPO paper; with loss=gspo, the GSPO paper); `constant`: every token weighs 1 / (sequences x
     sampling.max_new_tokens) (Dr. GRPO), so neither a response's length nor the batch's token count rescales
     its gradient."""
-    mismatch_correction: Literal["auto", "none", "token_truncate", "sequence_mask", "icepop"] = "auto"
+    mismatch_correction: Literal["auto", "none", "token_truncate", "sequence_truncate", "sequence_mask", "icepop"] = (
+        "auto"
+    )
     """How the update corrects for a sampler whose logprobs differ from the trainer's at the same weights (another
     engine's kernels): the ratio is taken against the trainer's logprobs at the sampling weights and each token's
     term is weighted by a detached factor of rho = p_trainer / p_sampler (core/training/loss.py). `token_truncate`:
-    min(rho, high) per token (Yao et al. 2025; high 2). `sequence_mask`: one rho per sequence, the product of its
-    tokens', and a sequence outside [low, high] is left out (TRL's default; high 3, no low). `icepop`: rho per
+    min(rho, high) per token (Yao et al. 2025; high 2, their C; TRL's token_truncate defaults to 3).
+    `sequence_truncate`: one rho per sequence, the product of its tokens', truncated to [low, high] and given to
+    each of them (TRL's sequence_truncate; high 3, TRL's default, no low). `sequence_mask`: one rho per sequence,
+    and a sequence outside [low, high] is left out (TRL's default mode; high 3, no low). `icepop`: rho per
     token, and a token outside [low, high] is left out (IcePop, Ling Team 2025; [0.5, 5]). `auto`: token_truncate
     when sampling.backend=vllm, none with the in-process sampler (whose factor would be 1). The metrics
     correction_token_share and correction_sequence_share show how much it acted."""
     mismatch_ratio_low: float | None = Field(None, gt=0.0)
-    """Lower bound of rho for the mismatch correction; None: the method's own (token_truncate and sequence_mask: none;
-    icepop: 0.5)."""
+    """Lower bound of rho for the mismatch correction; None: the method's own (token_truncate, sequence_truncate and
+    sequence_mask: none; icepop: 0.5)."""
     mismatch_ratio_high: float | None = Field(None, gt=0.0)
-    """Upper bound of rho for the mismatch correction; None: the method's own (token_truncate 2, sequence_mask 3,
-    icepop 5)."""
+    """Upper bound of rho for the mismatch correction; None: the method's own (token_truncate 2, sequence_truncate 3,
+    sequence_mask 3, icepop 5)."""
     dynamic_sampling: bool = False
     """Leave out of the update the groups whose advantages are all 0 (DAPO's dynamic sampling, without its
     re-sampling): they add no gradient, only tokens to the normaliser. The number left out is reported."""
@@ -221,7 +228,8 @@ class TrainingConfig(_Section):
         ):
             raise ValueError(
                 "training.mismatch_ratio_low/high bound a mismatch correction: set training.mismatch_correction to "
-                f"token_truncate, sequence_mask or icepop, or leave the bounds unset (it is {self.mismatch_correction})"
+                "token_truncate, sequence_truncate, sequence_mask or icepop, or leave the bounds unset (it is "
+                f"{self.mismatch_correction})"
             )
         low, high = self.mismatch_bounds
         if high is not None and not high >= 1.0:

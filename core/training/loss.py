@@ -41,9 +41,13 @@ trainer's at the same weights. The ratio is then taken against the trainer's log
 (`mismatch_weights`), folded into `weights_B_C` so that it applies to every variant alike:
 
 - `token_truncate`: min(rho_t, high) (truncated importance sampling, Yao et al. 2025, "Your Efficient RL Framework
-  Secretly Brings You Off-Policy RL Training": high = 2; TRL's `token_truncate`);
+  Secretly Brings You Off-Policy RL Training", whose C = 2 is this project's default high). TRL's GRPOTrainer has
+  the same formula as its `token_truncate` mode, with its own default cap of 3 (GRPOConfig's
+  `vllm_importance_sampling_clip_max`, formerly `vllm_importance_sampling_cap`);
+- `sequence_truncate`: one ratio per sequence, rho = prod_t rho_t, truncated to [low, high] and given to each of its
+  tokens (TRL's `sequence_truncate`: no low bound, high = 3, TRL's default cap);
 - `sequence_mask`: one ratio per sequence, rho = prod_t rho_t, given to each of its tokens, and 0 for a sequence
-  whose rho is outside [low, high] (TRL's default `sequence_mask`: no low bound, high = 3);
+  whose rho is outside [low, high] (TRL's default mode `sequence_mask`: no low bound, high = 3);
 - `icepop`: rho_t, and 0 for a token whose rho_t is outside [low, high] (IcePop, Ling Team 2025, "Every Step
   Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model": [0.5, 5]; TRL's `token_mask`).
 
@@ -146,7 +150,7 @@ def token_weights(
     raise ValueError(f"unknown loss normalisation {normalization!r}: token, sequence or constant")
 
 
-MismatchCorrection = Literal["token_truncate", "sequence_mask", "icepop"]
+MismatchCorrection = Literal["token_truncate", "sequence_truncate", "sequence_mask", "icepop"]
 
 
 def mismatch_weights(
@@ -161,21 +165,28 @@ def mismatch_weights(
     tokens truncated or masked: a bool [B, C]).
 
     `trainer_logprobs_B_C` are the trainer's logprobs at the weights the sampler used: on every update of a batch
-    the same ones (those of its first forward), never recomputed from the updated weights. Bounds are compared in
-    log space, so a sequence ratio that would overflow exp is still masked exactly.
+    the same ones (those of its first forward), never recomputed from the updated weights. Bounds are compared and
+    applied in log space, so a sequence ratio that would overflow exp is still masked or truncated exactly.
+
+    The sequence methods follow TRL's GRPOTrainer (`vllm_importance_sampling_mode`): rho = exp(sum_t of the masked
+    log-ratios), one per sequence; `sequence_truncate` is clamp(rho, low, high), `sequence_mask` rho with 0 outside
+    [low, high]. Here the clamp is of the summed log-ratio, so exp never overflows (TRL's exp(1000) is inf before its
+    clamp). A sequence method marks every trained token of a sequence whose rho crossed a bound.
     """
     log_rho_B_C = _log_ratio(trainer_logprobs_B_C, sampler_logprobs_B_C, mask_B_C).detach()
-    if method == "sequence_mask":  # one ratio per sequence: the product of its tokens' (padding holds 0)
-        log_rho_B_C = log_rho_B_C.sum(-1, keepdim=True).expand_as(log_rho_B_C)
+    if method in ("sequence_truncate", "sequence_mask"):  # one ratio per sequence: the product of its tokens'
+        log_rho_B_C = log_rho_B_C.sum(-1, keepdim=True).expand_as(log_rho_B_C)  # (padding holds 0)
     log_low = -math.inf if low is None else math.log(low)
     log_high = math.inf if high is None else math.log(high)
     outside_B_C = ((log_rho_B_C < log_low) | (log_rho_B_C > log_high)) & mask_B_C
-    if method == "token_truncate":
+    if method in ("token_truncate", "sequence_truncate"):
         weights_B_C = torch.exp(log_rho_B_C.clamp(min=log_low, max=log_high))
     elif method in ("sequence_mask", "icepop"):
         weights_B_C = torch.where(outside_B_C, 0.0, torch.exp(log_rho_B_C.clamp(max=log_high)))
     else:
-        raise ValueError(f"unknown mismatch correction {method!r}: token_truncate, sequence_mask or icepop")
+        raise ValueError(
+            f"unknown mismatch correction {method!r}: token_truncate, sequence_truncate, sequence_mask or icepop"
+        )
     return torch.where(mask_B_C, weights_B_C, 1.0), outside_B_C
 
 

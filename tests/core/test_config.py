@@ -115,6 +115,22 @@ def test_loss_family_defaults_are_the_papers_values():
 
 
 @pytest.mark.parametrize(
+    ("method", "bounds"),
+    [
+        ("token_truncate", (None, 2.0)),  # Yao et al. 2025's C
+        ("sequence_truncate", (None, 3.0)),  # TRL's vllm_importance_sampling_clip_max
+        ("sequence_mask", (None, 3.0)),  # the same TRL default
+        ("icepop", (0.5, 5.0)),  # IcePop's [alpha, beta]
+    ],
+)
+def test_each_mismatch_correction_has_its_own_bounds_and_a_set_bound_replaces_them(method, bounds):
+    t = load_config(None, [f"training.mismatch_correction={method}"]).training
+    assert t.correction("hf") == method and t.correction("vllm") == method and t.mismatch_bounds == bounds
+    t = load_config(None, [f"training.mismatch_correction={method}", "training.mismatch_ratio_high=4"]).training
+    assert t.mismatch_bounds == (bounds[0], 4.0)
+
+
+@pytest.mark.parametrize(
     ("overrides", "named"),
     [
         (["training.gspo_epsilon_low=0.01"], "training.gspo_epsilon_low only applies to training.loss=gspo"),
@@ -132,7 +148,14 @@ def test_loss_family_defaults_are_the_papers_values():
             ["training.mismatch_correction=icepop", "training.mismatch_ratio_low=2"],
             "training.mismatch_ratio_low=2.0 must be <= 1",
         ),
-        (["training.mismatch_ratio_high=3"], "set training.mismatch_correction to token_truncate, sequence_mask"),
+        (
+            ["training.mismatch_ratio_high=3"],
+            "set training.mismatch_correction to token_truncate, sequence_truncate, sequence_mask or icepop",
+        ),
+        (
+            ["training.mismatch_correction=sequence_truncate", "training.mismatch_ratio_high=0.9"],
+            "training.mismatch_ratio_high=0.9 must be >= 1",
+        ),
         (["training.truncated_is_cap=2"], "replaced by training.mismatch_correction=token_truncate"),
         (["training.ratio_tolerance=0.05"], "replaced by training.first_update_kl_tolerance"),
         (["training.loss=dapo"], "training.loss"),

@@ -165,6 +165,9 @@ TWO_SEQUENCES = torch.tensor([[True, True, True], [True, True, False]])
         ("token_truncate", None, 2.0, [[2.0, 0.5, 1.0], [2.0, 2.0, 1.0]], [[1, 0, 0], [1, 1, 0]]),
         # a lower bound truncates from below too
         ("token_truncate", 0.8, 2.0, [[2.0, 0.8, 1.0], [2.0, 2.0, 1.0]], [[1, 1, 0], [1, 1, 0]]),
+        # TRL's sequence_truncate, high 3: sequence 0 keeps its product 1.5 (log 0.41 < log 3) on every token,
+        # sequence 1's product 12 (log 2.48 > log 3) is truncated to 3 on its two tokens; its padding stays 1, unmarked
+        ("sequence_truncate", None, 3.0, [[1.5, 1.5, 1.5], [3.0, 3.0, 1.0]], [[0, 0, 0], [1, 1, 0]]),
         # TRL's sequence_mask, high 3: sequence 0 keeps its product 1.5 on every token, sequence 1 (12) is dropped
         ("sequence_mask", None, 3.0, [[1.5, 1.5, 1.5], [0.0, 0.0, 1.0]], [[0, 0, 0], [1, 1, 0]]),
         # IcePop [0.45, 5]: every rho is inside, each kept as is
@@ -201,6 +204,8 @@ def _trl_is_ratio(old_logps, sampling_logps, mask, mode, clip_min, clip_max):
     ("ours", "trl_mode", "low", "high"),
     [
         ("token_truncate", "token_truncate", None, 2.0),
+        ("sequence_truncate", "sequence_truncate", None, 3.0),  # TRL's default cap
+        ("sequence_truncate", "sequence_truncate", 0.5, 3.0),
         ("sequence_mask", "sequence_mask", None, 3.0),  # TRL's defaults
         ("icepop", "token_mask", 0.5, 5.0),
     ],
@@ -214,6 +219,36 @@ def test_mismatch_corrections_give_trls_factors_on_random_logprobs(ours, trl_mod
     expected = _trl_is_ratio(trainer, sampler, mask.float(), trl_mode, low, high).expand_as(factors)
     torch.testing.assert_close(torch.where(mask, factors, 0.0), torch.where(mask, expected, 0.0))
     assert corrected.any() and not corrected.all()  # the bounds were crossed, so the comparison means something
+    # where TRL's ratio before truncation or masking is outside [low, high] (its invalid_mis_mask), on trained tokens;
+    # the mask mode of the same granularity without bounds is that ratio
+    raw = _trl_is_ratio(trainer, sampler, mask.float(), trl_mode.replace("truncate", "mask"), None, None)
+    raw = raw.expand_as(factors)
+    outside = (raw < (low or 0.0)) | (raw > high)
+    assert torch.equal(corrected, outside & mask)
+
+
+def test_sequence_truncate_gives_every_token_the_one_truncated_sequence_ratio_from_below_too():
+    # sampler and trainer of the hand-worked example swapped: rho per token 1/3, 2, 1 and 1/4, 1/3, padding;
+    # products 2/3 and 1/12. [0.1, 3]: sequence 0 keeps 2/3 on every token, sequence 1 is raised to 0.1
+    factors, corrected = mismatch_weights(SAMPLER, TRAINER, TWO_SEQUENCES, "sequence_truncate", 0.1, 3.0)
+    torch.testing.assert_close(factors, torch.tensor([[2 / 3, 2 / 3, 2 / 3], [0.1, 0.1, 1.0]]))
+    assert torch.equal(corrected, torch.tensor([[False, False, False], [True, True, False]]))
+
+
+def test_sequence_truncate_of_a_ratio_that_overflows_exp_is_the_bound_exactly():
+    # 1000 tokens of log-ratio +1 (rho e, inside [0.25, 3]) and 1000 of -1 (rho 1/e, inside too), then padding of
+    # -2000 and +2000 (not summed; summed, it would flip both): summed log-ratios +1000 and -1000, whose exp is inf
+    # and 0 in float32 (and float64)
+    trainer = torch.tensor([[1.0] * 1000 + [-2000.0], [-1.0] * 1000 + [2000.0]])
+    mask = (torch.arange(1001) < 1000).expand(2, -1)
+    factors, corrected = mismatch_weights(trainer, torch.zeros(2, 1001), mask, "sequence_truncate", 0.25, 3.0)
+    assert torch.isfinite(factors).all()
+    # the bounds exactly: exp(log 3) and exp(log 0.25) round back to 3 and 0.25 in float32
+    expected = torch.tensor([[3.0] * 1000 + [1.0], [0.25] * 1000 + [1.0]])
+    torch.testing.assert_close(factors, expected, rtol=0, atol=0)
+    assert torch.equal(corrected, mask)
+    factors, _ = mismatch_weights(trainer, torch.zeros(2, 1001), mask, "sequence_truncate", None, 3.0)
+    torch.testing.assert_close(factors, torch.tensor([[3.0] * 1000 + [1.0], [0.0] * 1000 + [1.0]]), rtol=0, atol=0)
 
 
 def test_loss_stats_add_up_exactly_over_micro_batches():

@@ -308,7 +308,7 @@ def test_dynamic_sampling_drops_the_groups_whose_advantages_are_all_zero(tiny_po
     assert diluted_stats.n_dropped_groups == 0.0
 
 
-@pytest.mark.parametrize("correction", ["token_truncate", "sequence_mask", "icepop"])
+@pytest.mark.parametrize("correction", ["token_truncate", "sequence_truncate", "sequence_mask", "icepop"])
 def test_a_mismatch_correction_changes_nothing_when_sampler_and_trainer_agree(tiny_policy, correction):
     _perturb_adapter(tiny_policy)
     batch = _batch(tiny_policy)
