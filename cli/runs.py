@@ -48,16 +48,38 @@ def _print_frame(df, title: str | None = None) -> None:
     Console().print(table)
 
 
-def _print_summary(df) -> None:
-    """`inspect`'s per-iteration table: the metrics core/metrics/registry.py marks for it, in their formats."""
+def _print_summary(df, view: str | None = None, title: str | None = None) -> None:
+    """`inspect`'s per-iteration tables: the metrics core/metrics/registry.py marks for a view, in their formats."""
     from redteam_grpo.core.metrics.registry import SUMMARY, table_rows
 
-    headers, cells = table_rows(SUMMARY, df.to_dict("records"))
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    headers, cells = table_rows(view or SUMMARY, df.to_dict("records"))
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for header in headers:
         table.add_column(header, justify="right")
     for row in cells:
         table.add_row(*row)
+    Console().print(table)
+
+
+def _print_check(df) -> None:
+    """`inspect`'s first-update check: per iteration, each gate's KL over its bound (above 1 the update is refused;
+    the values and bounds themselves: `inspect RUN --sql "select * from metrics"`)."""
+    gates = {"token": ("sampler_kl", "sampler_kl_tolerance")}
+    gates |= {g: (f"sampler_kl_{g}", f"sampler_kl_{g}_bound") for g in ("first_token", "last_token")}
+    gates |= {"turns": ("sampler_kl_turn_boundary", "sampler_kl_turn_boundary_bound")}
+    gates |= {"sequence": ("sampler_kl_sequence", "sampler_kl_sequence_bound")}
+    table = Table(
+        title="first-update check: KL over its bound at each gate (refused above 1)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+    )
+    for header in ("iter", *(g.removesuffix("_token") for g in gates), "bound/token", "varentropy"):
+        table.add_column(header, justify="right")
+    for row in df.to_dict("records"):
+        ratios = [row[value] / row[bound] if row[bound] else math.nan for value, bound in gates.values()]
+        cells = [_number(r) for r in ratios] + [f"{row['sampler_kl_tolerance']:.1e}", f"{row['varentropy']:.3f}"]
+        table.add_row(str(row["iteration"]), *cells)
     Console().print(table)
 
 
@@ -107,7 +129,10 @@ def inspect(
         if sql:
             _print_frame(df)
         else:
+            from redteam_grpo.storage.query import first_update_check
+
             _print_summary(df)
+            _print_check(first_update_check(run))
         return
     if fmt in ("csv", "json", "jsonl") and out is None:  # text formats may go to standard output
         text = csv_ready(df).to_csv(index=False) if fmt == "csv" else df.to_json(orient="records", lines=fmt == "jsonl")

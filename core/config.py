@@ -183,14 +183,14 @@ class TrainingConfig(_Section):
     must not have its advantages multiplied by thousands."""
     first_update_kl_tolerance: float | None = Field(None, gt=0.0)
     """The first update is refused when KL(sampler ‖ trainer) per token (k3 on the first update's ratio: the metric
-    sampler_kl) exceeds this: the trainer would not be computing the distribution the tokens were drawn from (a
-    misaligned mask, an unreplayed temperature, other ids). None: derived from the rounding noise's causes, in units of
-    the dtype's machine epsilon squared: the decoder layers times the logits' squared scale (their variance over the
-    vocabulary, reweighted to the LM-head rows drawn; mean over the trained tokens), at least 16, and at least 1e-6
-    (bfloat16: 9.8e-4 for a shallow model, 2.2e-3 for a 36-layer one with logits of scale 1, 5.5e-2 with scale 5;
-    float32 1e-6). Measured, rounding noise of a correct run stays below a sixth of it (a random Qwen3-4B: 3.1e-4,
-    and 5.8e-3 to 8.2e-3) while a misalignment puts O(1) nats on some tokens (core/training/train.py). The bound
-    used is the metric sampler_kl_tolerance."""
+    sampler_kl) exceeds this, or one of the other gates exceeds this times its tokens (at each row's first and last
+    token, each turn boundary, summed over each sequence): the trainer would not be computing the distribution the
+    tokens were drawn from (a misaligned mask, an unreplayed temperature, other ids, a logprob recorded for another
+    token). None: derived per gate from the rounding noise of the distribution the tokens were drawn from, in units of
+    the dtype's machine epsilon squared: the decoder layers times each token's rounding-noise scale (its varentropy
+    plus the width times the logits' magnitude, squared), 4x for another engine (core/training/train.py: measured, a
+    correct run stays below a third of every bound, and each misalignment is 3x it). The bounds used are the metrics
+    sampler_kl_tolerance and sampler_kl_*_bound."""
     logprob_mismatch_threshold: float = Field(0.1, gt=0.0)
     """|trainer logprob − sampler logprob| above which a token counts in the metric logprob_mismatch_share (the
     mismatch of another engine's kernels, sampling.backend=vllm)."""

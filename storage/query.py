@@ -17,7 +17,7 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
-from redteam_grpo.core.metrics.registry import SUMMARY, shown_in
+from redteam_grpo.core.metrics.registry import CHECK, SUMMARY, shown_in
 from redteam_grpo.core.rollouts.dialogue import dialogue_messages
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.location import is_remote
@@ -25,6 +25,7 @@ from redteam_grpo.storage.rundir import RunDir, checkpoint_name
 from redteam_grpo.storage.stages import BY_VIEW
 
 SUMMARY_COLUMNS = [m.name for m in shown_in(SUMMARY)]
+CHECK_COLUMNS = [m.name for m in shown_in(CHECK)]
 
 
 def connect(run: RunDir) -> duckdb.DuckDBPyConnection:
@@ -58,6 +59,12 @@ def query(run: RunDir, sql: str) -> pd.DataFrame:
 def summary(run: RunDir) -> pd.DataFrame:
     with connect(run) as con:
         return con.execute(f"select {', '.join(SUMMARY_COLUMNS)} from metrics order by iteration").df()
+
+
+def first_update_check(run: RunDir) -> pd.DataFrame:
+    """Per iteration, each gate of the first-update check beside its bound (core/training/train.py)."""
+    with connect(run) as con:
+        return con.execute(f"select {', '.join(CHECK_COLUMNS)} from metrics order by iteration").df()
 
 
 def conversations(con: duckdb.DuckDBPyConnection, examples: pd.DataFrame) -> list[list[dict[str, str]]]:

@@ -43,8 +43,13 @@ from redteam_grpo.storage.modes import MODES, mode_of
 from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 10
+RUN_FORMAT = 11
 FORMAT_CHANGES = {
+    10: (
+        "train_metrics.parquet gained the first-update check's gates (sampler_kl_first_token, _last_token, "
+        "_turn_boundary, _sequence, each with its _bound) and varentropy; the bound follows the varentropy of the "
+        "distribution the tokens were drawn from"
+    ),
     9: (
         "train_metrics.parquet gained sampler_kl_tolerance: the first-update check's bound, by default derived from "
         "the model's layers and logit variance as well as its dtype"

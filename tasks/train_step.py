@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.metrics.registry import iteration_metrics
 from redteam_grpo.core.rollouts.diagnostics import health_warnings
 from redteam_grpo.core.rollouts.dialogue import policy_rows
+from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
 from redteam_grpo.core.training.train import NonFiniteUpdateError, TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
@@ -51,14 +52,29 @@ def attack_train_step_stage(run_dir: str, iteration: int) -> str:
     return update_stage(run_dir, iteration, ATTACKER_LEARNER)
 
 
-def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: int, sampler: str) -> TrainBatch:
+def train_batch(
+    run: RunDir,
+    learner: Learner,
+    iteration: int,
+    max_new_tokens: int,
+    sampler: str,
+    suppressed_ids: tuple[int, ...] = (),
+) -> TrainBatch:
     """The learner's rollouts of `iteration` joined with their advantages. Dialogues (rows of later turns): one row per
     dialogue, its last turn's prompt and completion with the spans of the policy's own turns
-    (core/rollouts/dialogue.py)."""
+    (core/rollouts/dialogue.py). The distribution drawn from is the temperature the rollouts recorded, with the
+    policy's `suppressed_ids`: the first-update bound is the sampler's, whatever the trainer replays."""
     trained = policy_rows(run.read(learner.rollouts, iteration).to_pydict())
     rollouts = trained.columns
     advantages = run.read(learner.advantages, iteration).to_pydict()
     rows = join_on_keys(rollouts, advantages, "rollouts x advantages")
+    temperatures = sorted(set(rollouts["temperature"]))
+    if len(temperatures) > 1:
+        raise ValueError(
+            f"{learner.rollouts.name} of iteration {iteration} was drawn at several temperatures {temperatures}: one "
+            "batch is drawn from one distribution; sample the iteration again (delete its files and resume)"
+        )
+    sampled_with = SamplingDistribution(float(temperatures[0]), suppressed_ids) if temperatures else None
     return TrainBatch(
         prompt_ids=rollouts["prompt_token_ids"],
         completion_ids=rollouts["completion_token_ids"],
@@ -68,6 +84,7 @@ def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: i
         max_new_tokens=max_new_tokens,
         spans=trained.spans,
         sampler=sampler,
+        sampled_with=sampled_with,
         turn_advantages=(
             [advantages["turn_advantages"][i] for i in rows]
             if any(a is not None for a in advantages["turn_advantages"])
@@ -79,7 +96,14 @@ def train_batch(run: RunDir, learner: Learner, iteration: int, max_new_tokens: i
 def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_parallel=None) -> UpdateStats:
     """One update of the learner's adapter (and optimizer) in memory, from the weights after iteration - 1."""
     cfg = res.config
-    batch = train_batch(res.run, learner, iteration, learner.max_new_tokens(cfg), cfg.sampling.backend)
+    batch = train_batch(
+        res.run,
+        learner,
+        iteration,
+        learner.max_new_tokens(cfg),
+        cfg.sampling.backend,
+        res.policy.distribution.suppressed_ids,
+    )
     res.ensure_role(learner.role, iteration - 1)  # self-play: the defender may already hold this iteration's update
     with res.policy.role(learner.role):
         try:

@@ -36,13 +36,14 @@ attempted_connections = netguard.attempted_connections
 
 
 # The files that take longest, longest first (seconds of one worker, measured with `pytest -n 2 --durations=0` on
-# 2 cores: 770, 750, 540, 300, 230, 115, 90, 80, 80). Under `pytest -n` every worker orders its files this way and
+# 2 cores: 770, 750, 540, 425, 300, 230, 115, 90, 80, 80). Under `pytest -n` every worker orders its files this way and
 # hands the next one to whichever worker is free, so the long ones start first and the many short ones fill in
 # behind them; the same files last left one worker idle for 9 minutes.
 LONGEST_FILES = (
     "tests/flows/test_defense.py",
     "tests/e2e/test_cli.py",
     "tests/flows/test_learning.py",
+    "tests/core/test_first_update_check.py",
     "tests/e2e/test_vllm_engine.py",
     "tests/e2e/test_prefect_deployment.py",
     "tests/embedded/test_embedded_judge.py",

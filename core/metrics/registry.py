@@ -23,6 +23,7 @@ LOG = "log"  # the one line logged per iteration
 TABLE = "table"  # the iteration table the CLI prints at the end of a run
 SUMMARY = "summary"  # `redteam-grpo inspect RUN`
 REPORT = "report"  # a plot in `redteam-grpo report`
+CHECK = "check"  # `redteam-grpo inspect RUN`'s first-update check table: each gate's statistic beside its bound
 
 
 @dataclass(frozen=True)
@@ -93,17 +94,69 @@ METRICS: tuple[Metric, ...] = (
     _m(
         "sampler_kl",
         "KL sampler",
-        "KL(sampler ‖ trainer) on the first update (k3 on the importance ratio); 0 when both see one distribution; "
-        "an update above training.first_update_kl_tolerance is refused.",
+        "KL(sampler ‖ trainer) per token on the first update (k3 on the importance ratio); 0 when both see one "
+        "distribution; an update above sampler_kl_tolerance is refused.",
         "{:.1e}",
         LOG,
+        CHECK,
     ),
     _m(
         "sampler_kl_tolerance",
         "KL bound",
         "The largest sampler_kl the first update accepts: training.first_update_kl_tolerance, else derived from the "
-        "dtype, the number of layers and the variance of the logits (rounding noise grows with each).",
+        "dtype, the number of layers and the varentropy of the distribution the tokens were drawn from (rounding "
+        "noise grows with each).",
         "{:.1e}",
+        CHECK,
+    ),
+    _m(
+        "sampler_kl_first_token",
+        "KL first",
+        "k3 at each row's first trained token (the first completion token), first update: a token scored in the "
+        "wrong context is not divided by the row's length here.",
+        "{:.1e}",
+        CHECK,
+    ),
+    _m("sampler_kl_first_token_bound", "first bound", "The largest sampler_kl_first_token accepted.", "{:.1e}", CHECK),
+    _m(
+        "sampler_kl_last_token",
+        "KL last",
+        "k3 at each row's last trained token (the EOS where the row ended), first update: a stop token's logprob "
+        "recorded wrongly shows here.",
+        "{:.1e}",
+        CHECK,
+    ),
+    _m("sampler_kl_last_token_bound", "last bound", "The largest sampler_kl_last_token accepted.", "{:.1e}", CHECK),
+    _m(
+        "sampler_kl_turn_boundary",
+        "KL turns",
+        "k3 at the first and last token of each inner turn of a dialogue, first update (NaN for single turns).",
+        "{:.1e}",
+        CHECK,
+    ),
+    _m(
+        "sampler_kl_turn_boundary_bound",
+        "turn bound",
+        "The largest sampler_kl_turn_boundary accepted.",
+        "{:.1e}",
+        CHECK,
+    ),
+    _m(
+        "sampler_kl_sequence",
+        "KL seq",
+        "Half the squared log-ratio summed over each sequence, mean over sequences, first update: an error that adds "
+        "up along a row, where rounding noise grows as its square root.",
+        "{:.1e}",
+        CHECK,
+    ),
+    _m("sampler_kl_sequence_bound", "seq bound", "The largest sampler_kl_sequence accepted.", "{:.1e}", CHECK),
+    _m(
+        "varentropy",
+        "varentropy",
+        "Mean variance of the surprisal under the distribution the tokens were drawn from (nats²): what the "
+        "first-update bounds grow with.",
+        "{:.3f}",
+        CHECK,
     ),
     _m("ratio_mean", "ratio", "Mean importance ratio of the first update (1 when on-policy).", "{:.4f}", LOG, TABLE),
     _m("ratio_std", "±ratio", "Sample std of the first update's importance ratio.", "{:.4f}", LOG, TABLE),

@@ -142,16 +142,12 @@ class Policy:
             getattr(config, "num_hidden_layers", None) or getattr(config.get_text_config(), "num_hidden_layers", 1)
         )
 
-    def head_row_norms(self) -> torch.Tensor | None:
-        """The LM head's squared row norms in float32, [V] (None when the head is not a plain weight): how much each
-        token's logit, and its rounding noise, scales with the last hidden state. In slices, so that a 151,936-row
-        bfloat16 head is not copied whole to float32."""
-        head = self.model.get_output_embeddings()
-        weight = getattr(head, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
-            return None
-        with torch.no_grad():
-            return torch.cat([rows.float().pow(2).sum(-1) for rows in weight.detach().split(16384)])
+    @property
+    def hidden_size(self) -> int:
+        """The width of the base's residual stream (its config's hidden_size): with the depth, what the rounding
+        noise of the logits grows with (core/training/train.py: rounding_noise_scale)."""
+        config = self.model.get_base_model().config
+        return int(getattr(config, "hidden_size", None) or getattr(config.get_text_config(), "hidden_size", 1))
 
     def require_eval_mode(self) -> None:
         """Every forward that produces compared logprobs runs without dropout."""

@@ -43,31 +43,35 @@ def entropy(logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
     return -torch.where(probs > 0, probs * logprobs_B_C_V, torch.zeros_like(probs)).sum(-1)
 
 
-def logit_noise_scale(logprobs_B_C_V: torch.Tensor, head_row_norms_V: torch.Tensor | None = None) -> torch.Tensor:
-    """The squared scale of each position's logits that rounding noise is proportional to: [B, C]. Their variance
-    over the vocabulary (that of the logprobs, which differ by a constant; suppressed tokens, at -inf, left out),
-    reweighted to the tokens the distribution draws: times the mean squared LM-head row norm under the distribution
-    over its mean over the vocabulary (`head_row_norms_V`: squared row norms; None: rows of one norm). A logit is a
-    row times the last hidden state, so its rounding noise is that row's norm times the state's: where the drawn
-    tokens' rows are larger than the vocabulary's (a random model whose unused rows are zero), so is the noise.
+def varentropy(logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
+    """The variance of the surprisal under each position's distribution, Var_{v~p}(log p_v), with 0 * -inf taken as
+    0: [B, C]. log p is the processed logits less a constant, so this is the p-weighted variance of the logits the
+    tokens are drawn from: what a perturbation of the logits changes the distribution by, to second order
+    (KL(p || p') = 1/2 Var_{v~p}(dz) for logits z' = z + dz). It shrinks as the distribution peaks: 0 on one token.
 
-    >>> logit_noise_scale(torch.tensor([[[0.0, 2.0, float("-inf")]]]))
-    tensor([[1.]])
-    >>> lp = torch.tensor([[[0.0, -50.0, -50.0]]])  # all mass on a row with 3x the mean squared norm
-    >>> logit_noise_scale(lp, torch.tensor([3.0, 0.0, 0.0])) / logit_noise_scale(lp)
-    tensor([[3.]])
+    >>> varentropy(torch.tensor([[[0.0, float("-inf")]]]))  # all mass on one token
+    tensor([[0.]])
+    >>> varentropy(torch.log(torch.tensor([[[0.5, 0.25, 0.25]]])))  # surprisals 1, 2, 2 bits: Var 0.25 bit^2
+    tensor([[0.1201]])
     """
-    finite = torch.isfinite(logprobs_B_C_V)
-    count = finite.sum(-1).clamp(min=1)
-    zero = torch.zeros((), device=logprobs_B_C_V.device)
-    values = torch.where(finite, logprobs_B_C_V.float(), zero)
-    mean = values.sum(-1, keepdim=True) / count.unsqueeze(-1)
-    variance_B_C = torch.where(finite, (values - mean) ** 2, zero).sum(-1) / count
-    if head_row_norms_V is None:
-        return variance_B_C
-    norms_V = head_row_norms_V.to(device=values.device, dtype=torch.float32)
-    drawn_B_C = (logprobs_B_C_V.float().exp() @ norms_V) / norms_V.mean().clamp(min=torch.finfo(torch.float32).tiny)
-    return variance_B_C * drawn_B_C
+    probs = logprobs_B_C_V.exp()
+    surprisal = torch.where(probs > 0, -logprobs_B_C_V, torch.zeros_like(probs))
+    mean_B_C = (probs * surprisal).sum(-1)
+    return ((probs * surprisal.square()).sum(-1) - mean_B_C.square()).clamp(min=0.0)
+
+
+def logit_second_moment(logits_B_C_V: torch.Tensor) -> torch.Tensor:
+    """E_{v~p}[z_v^2] of each position's processed logits z (the model's raw logits over the temperature; suppressed
+    tokens, at -inf, have p = 0), p their softmax: [B, C]. Not shift-invariant, as bfloat16 rounding is not: a logit's
+    rounding error is relative to its magnitude, so large logits on the drawn tokens round coarsely.
+
+    >>> logit_second_moment(torch.tensor([[[3.0, float("-inf")]]]))
+    tensor([[9.]])
+    """
+    finite = torch.isfinite(logits_B_C_V)
+    values = torch.where(finite, logits_B_C_V.float(), torch.zeros((), device=logits_B_C_V.device))
+    probs = torch.softmax(logits_B_C_V.float(), dim=-1)
+    return (probs * values.square()).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

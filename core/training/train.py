@@ -9,23 +9,46 @@ Which rows take part: completions with at least one token; with dynamic sampling
 the groups with a non-zero advantage (`informative_rows`). DAPO then samples more prompts until the batch is
 full again; here the batch only shrinks, and the number of groups left out is reported.
 
-The first-update check: on the first update the trainer's logprobs are compared with the sampler's, and the step
-is refused when KL(sampler || trainer) per token (k3 on the ratio, Schulman 2020) exceeds a tolerance. KL, not the
-mean |ratio - 1|: the tokens were drawn from the sampler, so E[log p_sampler - log p_trainer] is the KL, which is
-second order in rounding noise and first order in a real difference. Measured (KL per token): a correct float32 run
-1e-12 or less; bfloat16 rounding, in-process or vLLM, 1.2e-5 on the embedded model and about 3e-4 for a Qwen3-4B
-(cached decode against a full forward; mean |log-ratio| 0.02, max 0.08); misalignments on the embedded model in
-bfloat16: the first prompt id dropped 3.1e-3, the temperature not replayed 3.2e-2, the mask one token late 4.9.
-The rounding noise grows with the depth and with the square of the logits' scale: the same random Qwen3-4B with
-logits spread 5x wider (squared scale 25) measured 3.7e-3 to 8.2e-3; a random 8-layer, 512-wide Qwen3 3e-6 to
-3e-5 (squared scale 5). So the default tolerance (`first_update_tolerance`) is, in units of eps(dtype)^2, the number
-of decoder layers times the logits' squared scale at the trained tokens (`logit_noise_scale`: their variance over
-the vocabulary, reweighted to the LM-head rows the distribution draws), and at least 16 (9.8e-4 in bfloat16; in
-float32 at least 1e-6): the noise measured 0.001 to 0.15 of that, the misalignments above it (on the 8-layer model
-with squared scale 5: a first prompt id dropped 1.7e-2 against 2.7e-3; on the embedded model, 2 layers of squared
-scale 16.5 at temperature 0.7, 3.1e-3 against 2.0e-3; on the random Qwen3-4B the smallest, an unreplayed
-temperature, 0.11 against 5.4e-2). A misalignment cannot raise its own bound much: the scale is the trainer's
-logits', which a lost id barely moves and a forgotten temperature below 1 lowers.
+The first-update check: on the first update the trainer's logprobs are compared with the sampler's, and the step is
+refused when a gate's statistic exceeds its bound (`FIRST_UPDATE_GATES`). The statistic is KL(sampler || trainer), k3
+on the ratio (Schulman 2020), not the mean |ratio - 1|: the tokens were drawn from the sampler, so
+E[log p_sampler - log p_trainer] is the KL, second order in rounding noise and first order in a real difference. The
+gates: k3 per token over every trained token; at each row's first trained token, at its last (the EOS) and at each
+inner turn's first and last token, so an error at one token of a row is not divided by the row's length (an EOS
+logprob recorded as 0 in a 256-token row is ~2e-3 per token); and half the square of each row's summed log-ratio, in
+which a signed error adds up along the row while rounding noise grows only as its square root.
+
+The bound follows the noise, from the distribution the tokens were drawn from (`TrainBatch.sampled_with`, the
+sampler's recorded temperature: a trainer that applies another temperature cannot raise its own bound): per token,
+eps(dtype)^2 x decoder layers x `rounding_noise_scale`, the varentropy of that distribution (what a perturbation of
+the hidden state moves it by: 1/2 Var_p(dz) for logits z + dz) plus 3e-8 x (hidden size x the logits' root-mean-square
+magnitude)^2 (a logit rounds relative to its magnitude, and two kernels round a wide model's apart more often); each
+gate's bound is its items' mean, at least one eps^2 (32 for the gates of one token per row, whose mean of a few
+heavy-tailed values fluctuates), times 4 for another engine (vLLM: other kernels in every op). Neither statistic alone
+fits: per unit of the varentropy the noise measured 0.03 to 0.17 on a trained 8-layer, 128-wide model and 1.4 to 4.4 on
+a random one of Qwen3-4B's width with spread logits (sd 5); per unit of the logit term 1.7e-6 to 5.6e-6 on the wide
+one (first tokens included) but 37 to 135 on random models with small logits, where the varentropy fits (0.07 to 0.3).
+Measured, bfloat16, statistic / bound at the default (tests/core/test_first_update_check.py and
+tests/e2e/test_vllm_engine.py; correct run: largest over the gates, 256-token rows and dialogues included;
+misalignment: largest over the gates made for it):
+
+| model                             | T   | correct | shifted | other column | 1st ctx | temperature | EOS=0 | lost id |
+|-----------------------------------|-----|---------|---------|--------------|---------|-------------|-------|---------|
+| trained deep (8 layers, 128 wide) | 0.7 | 0.18    | 2.1e4   | 4.2e4        | 4.7e8   | 123         |       | (20x)   |
+| trained deep                      | 1.0 | 0.13    | 1.4e4   | 3.7e4        | 4.6e6   | 94          | 184   | (20x)   |
+| random, Qwen3-4B width, 2 layers  | 0.7 | 0.22    | 4.8e3   | 281          | 1.8e15  | 11          |       | 242     |
+| random, Qwen3-4B width            | 1.0 | 0.25    | 3.3e4   | 4.3e3        | 1.2e11  | 141         | 85    | 320     |
+| the CPU engine, embedded model    | 0.7 | 0.19    | 1.5e4   | 3.2e4        | 2.8e7   | 104         | 61    |         |
+| the CPU engine, embedded model    | 1.0 | 0.11    | 1.3e4   | 2.6e4        | 4.4e5   | 111         | 89    |         |
+
+(EOS=0 in 256-token rows: the last-token gate; the per-token mean of the same error on the wide model is 0.37 of its
+bound, which is what the gate is for.) A first prompt id lost on the way is 17 to 36x its bound on the wide model and
+4.0x on the trained deep model with a quarter of the vocabulary suppressed, but only 20x the noise on the trained deep
+model without it, at both temperatures, where the noise per unit of the bound differs 6x: no bound from the
+distribution holds both margins there. The ids are checked exactly instead (the sample stage stores the ids fed and
+drawn, the trainer packs exactly those). A sampler one update behind moves the distribution by one learning-rate step,
+as small as the noise: the adapter digest the engine serves under refuses it (tests/e2e/test_vllm_engine.py: an
+adapter the engine does not hold is refused).
 
 Engine-mismatch corrections, for a sampler that is another engine (`training.mismatch_correction`,
 `core/training/loss.py: mismatch_weights`): the denominator of the ratio is the trainer's own logprobs at the sampling
@@ -38,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +70,14 @@ import torch
 
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.models.policy import Policy, span_logits
-from redteam_grpo.core.rollouts.logprobs import entropy, logit_noise_scale, pad_ragged, token_logprobs
+from redteam_grpo.core.rollouts.logprobs import (
+    SamplingDistribution,
+    entropy,
+    logit_second_moment,
+    pad_ragged,
+    token_logprobs,
+    varentropy,
+)
 from redteam_grpo.core.training.batching import checkpointed_layers, micro_batches
 from redteam_grpo.core.training.distributed import DataParallel
 from redteam_grpo.core.training.loss import (
@@ -65,7 +96,12 @@ LossFunction = Callable[
 
 
 class RatioCheckError(RuntimeError):
-    """The first update's importance ratio is not 1: sampler and trainer disagree on the distribution."""
+    """The first update's importance ratio is not 1: sampler and trainer disagree on the distribution. `gates`: each
+    gate's (statistic, bound) as measured, the failed ones and the others (NaN where a gate had nothing to check)."""
+
+    def __init__(self, message: str, gates: dict[str, tuple[float, float]] | None = None) -> None:
+        super().__init__(message)
+        self.gates = gates or {}
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -105,6 +141,9 @@ class TrainBatch:
     # for every trained token of row i
     turn_advantages: Sequence[Sequence[float]] | None = None
     sampler: str = "hf"  # the engine that drew the tokens and recorded sample_logprobs (sampling.backend)
+    # The distribution the sampler drew from (its recorded temperature and suppressed ids): the first-update bound is
+    # taken from it, so a trainer that applies another temperature cannot raise its own bound. None: the trainer's.
+    sampled_with: SamplingDistribution | None = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -169,8 +208,20 @@ class UpdateStats:
     the first update (where the ratio compares trainer and sampler); `last_ratio_std` is of the last update."""
 
     loss: float  # the first update's loss
-    sampler_kl: float  # KL(sampler || trainer) by k3 on the first update's ratio: 0 when they agree; the checked one
-    sampler_kl_tolerance: float  # the largest sampler_kl the first update accepted (`first_update_tolerance`)
+    sampler_kl: float  # KL(sampler || trainer) per token by k3 on the first update's ratio: 0 when they agree
+    sampler_kl_tolerance: float  # the largest sampler_kl the first update accepts (`first_update_tolerance`)
+    # The first-update check's other gates (`FIRST_UPDATE_GATES`), each with its own bound; NaN where a gate has nothing
+    # to check (turn boundaries of single-turn rows): k3 at each row's first trained token, at its last (the EOS), at
+    # the first and last token of each inner turn of a dialogue, and half the squared log-ratio summed over a sequence
+    sampler_kl_first_token: float
+    sampler_kl_first_token_bound: float
+    sampler_kl_last_token: float
+    sampler_kl_last_token_bound: float
+    sampler_kl_turn_boundary: float
+    sampler_kl_turn_boundary_bound: float
+    sampler_kl_sequence: float
+    sampler_kl_sequence_bound: float
+    varentropy: float  # mean per-token varentropy of the distribution the tokens were drawn from, first update
     ratio_mean: float
     ratio_std: float  # sample std (n - 1)
     ratio_max: float
@@ -198,31 +249,64 @@ def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
     )
 
 
-# The default first-update tolerance, in units of the compute dtype's machine epsilon squared: at least
-# KL_TOLERANCE_EPS2, and KL_TOLERANCE_PER_LAYER_SCALE per decoder layer and unit of the logits' squared scale; never
-# below the floor (see the module docstring for the measurements they sit between).
-KL_TOLERANCE_EPS2 = 16.0
-KL_TOLERANCE_PER_LAYER_SCALE = 1.0
-KL_TOLERANCE_FLOOR = 1e-6
+# The default first-update bound per token, in units of the compute dtype's machine epsilon squared: the number of
+# decoder layers times the token's rounding-noise scale (`rounding_noise_scale`), whose logit term has the coefficient
+# KL_BOUND_WIDTH_COEF; a gate's bound is at least KL_BOUND_FLOOR_EPS2 eps^2 and KL_BOUND_FLOOR (the module docstring
+# gives the measurements they are fitted to).
+KL_BOUND_WIDTH_COEF = 3e-8
+KL_BOUND_FLOOR_EPS2 = 1.0
+KL_BOUND_FLOOR = 1e-6
+# The gates of one token per row (first_token, last_token, turn_boundary) average few values of a heavy-tailed noise
+# (one kernel's rounding flip at one row's token dominates their mean), so their floor is higher: the CPU engine's
+# first tokens measured 2.2 to 8.5 eps^2 on the embedded model, whose peaked first tokens have a noise scale near 0.
+KL_BOUND_FEW_ITEMS_FLOOR_EPS2 = 32.0
+# Another engine (vLLM) computes every op with other kernels than the trainer's, not only the ops whose shapes differ
+# between a cached decode and a full forward: its bounds are this many times the in-process sampler's (the CPU engine
+# measured 0.35 to 0.75 of the in-process bound on the embedded model).
+KL_BOUND_OTHER_ENGINE_FACTOR = 4.0
 
 
-def first_update_tolerance(cfg: TrainingConfig, dtype: torch.dtype, layers: int = 1, logit_scale: float = 0.0) -> float:
-    """The largest KL(sampler || trainer) per token the first update accepts: the configured one, else derived
-    from the dtype the model computes in, its number of decoder layers and the squared scale of its logits (mean of
-    `logit_noise_scale` over the trained tokens), the two that the rounding noise grows with.
+def rounding_noise_scale(
+    varentropy_B_C: torch.Tensor, second_moment_B_C: torch.Tensor, hidden_size: int
+) -> torch.Tensor:
+    """The scale of the KL that rounding adds at each token, per decoder layer and eps^2, from the distribution the
+    token was drawn from: its varentropy (how much a perturbation of the hidden state moves it) plus
+    KL_BOUND_WIDTH_COEF x (hidden size x its logits' root-mean-square magnitude)^2 (a logit rounds relative to its
+    magnitude, and the wider the model the more often two kernels round it apart). Measured fit: the module docstring.
 
-    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16)
-    0.0009765625
-    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, logit_scale=25.0)  # 900 eps^2
-    0.054931640625
-    >>> first_update_tolerance(TrainingConfig(), torch.float32, layers=36, logit_scale=25.0)
+    >>> rounding_noise_scale(torch.tensor([0.5]), torch.tensor([100.0]), 100)
+    tensor([0.5300])
+    """
+    return varentropy_B_C + KL_BOUND_WIDTH_COEF * hidden_size**2 * second_moment_B_C
+
+
+def first_update_tolerance(
+    cfg: TrainingConfig,
+    dtype: torch.dtype,
+    layers: int = 1,
+    noise_scale: float = 0.0,
+    tokens: float = 1.0,
+    floor_eps2: float = KL_BOUND_FLOOR_EPS2,
+    other_engine: bool = False,
+) -> float:
+    """The largest KL(sampler || trainer) the first update accepts on one item of a gate (a token; a sequence) of
+    `tokens` trained tokens whose `rounding_noise_scale` sums to `noise_scale`: the configured bound per token times
+    the tokens, else eps^2 of the dtype the model computes in x its decoder layers x the noise scale, at least
+    `floor_eps2` eps^2 and KL_BOUND_FLOOR; KL_BOUND_OTHER_ENGINE_FACTOR times that for `other_engine` (a sampler
+    that is not the trainer's own model, as vLLM).
+
+    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16)  # the floor: one eps^2
+    6.103515625e-05
+    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=2.0)  # 72 eps^2
+    0.00439453125
+    >>> first_update_tolerance(TrainingConfig(), torch.float32, layers=36, noise_scale=2.0)
     1e-06
     """
     if cfg.first_update_kl_tolerance is not None:
-        return cfg.first_update_kl_tolerance
+        return cfg.first_update_kl_tolerance * tokens
     eps2 = torch.finfo(dtype).eps ** 2
-    units = max(KL_TOLERANCE_EPS2, KL_TOLERANCE_PER_LAYER_SCALE * layers * logit_scale)
-    return max(units * eps2, KL_TOLERANCE_FLOOR)
+    factor = KL_BOUND_OTHER_ENGINE_FACTOR if other_engine else 1.0
+    return max(factor * max(floor_eps2, layers * noise_scale) * eps2, KL_BOUND_FLOOR)
 
 
 def informative_rows(group_ids: Sequence[str], advantages: Sequence[float]) -> tuple[list[int], int]:
@@ -271,16 +355,21 @@ def _all_reduced(stats: LossStats, dp: DataParallel) -> LossStats:
 class MicroBatchForward:
     """One micro-batch through the trainer: per trained token, the trainer's logprob (with the whole vocabulary's,
     for the entropy) and the sampler's recorded one, and the advantage (per row, or per token with per-turn
-    advantages)."""
+    advantages). On the first update, of the distribution the sampler drew from (`TrainBatch.sampled_with`), from the
+    trainer's raw logits: its varentropy and its `rounding_noise_scale`, for the first-update bounds."""
 
     logprobs_B_C_V: torch.Tensor
     logprobs_B_C: torch.Tensor
     sample_B_C: torch.Tensor
     advantages_B: torch.Tensor  # [B]; per-turn advantages: [B, C]
     mask_B_C: torch.Tensor
+    varentropy_B_C: torch.Tensor | None = None
+    noise_scale_B_C: torch.Tensor | None = None
 
 
-def micro_batch_forward(policy: Policy, batch: TrainBatch, mb_rows: Sequence[int]) -> MicroBatchForward:
+def micro_batch_forward(
+    policy: Policy, batch: TrainBatch, mb_rows: Sequence[int], first_update: bool = False
+) -> MicroBatchForward:
     """The trainer's forward on the rows `mb_rows`: the ids as sampled, the sampling distribution replayed."""
     logits_B_C_V, ids_B_C, mask_B_C = span_logits(
         policy,
@@ -294,18 +383,92 @@ def micro_batch_forward(policy: Policy, batch: TrainBatch, mb_rows: Sequence[int
         advantages_B = torch.tensor([batch.advantages[i] for i in mb_rows], dtype=torch.float32, device=policy.device)
     else:  # per-turn: [B, C], each trained token its turn's advantage (padding: 0, masked anyway)
         advantages_B = pad_ragged([batch.token_advantages(i) for i in mb_rows], ids_B_C.shape[1], 0.0).to(policy.device)
-    return MicroBatchForward(logprobs_B_C_V, logprobs_B_C, sample_B_C, advantages_B, mask_B_C)
+    varentropy_B_C = noise_scale_B_C = None
+    if first_update:  # the sampler's distribution, whatever the trainer replays: a trainer-side error cannot raise it
+        with torch.no_grad():
+            sampled_with = batch.sampled_with or policy.distribution
+            processed_B_C_V = sampled_with.process(logits_B_C_V.detach())
+            varentropy_B_C = varentropy(torch.log_softmax(processed_B_C_V, dim=-1))
+            second_moment_B_C = logit_second_moment(processed_B_C_V)
+            noise_scale_B_C = rounding_noise_scale(varentropy_B_C, second_moment_B_C, policy.hidden_size)
+            del processed_B_C_V
+    return MicroBatchForward(
+        logprobs_B_C_V, logprobs_B_C, sample_B_C, advantages_B, mask_B_C, varentropy_B_C, noise_scale_B_C
+    )
+
+
+# The first-update check's gates: each a statistic over its items and a bound, so that an error at one token of each
+# sequence is held against the noise of those tokens, not divided by the sequence's length. token: k3 at every trained
+# token; first_token / last_token: at each row's first / last trained token (the first completion token, the EOS);
+# turn_boundary: at the first and last token of every other turn of a dialogue row; sequence: half the square of the
+# row's summed log-ratio (a signed error adds up along the row, rounding noise only as its square root).
+FIRST_UPDATE_GATES = ("token", "first_token", "last_token", "turn_boundary", "sequence")
+_GATE_NAMES = {
+    "token": "per token",
+    "first_token": "at each row's first trained token",
+    "last_token": "at each row's last trained token",
+    "turn_boundary": "at the turn boundaries",
+    "sequence": "summed over each sequence",
+}
+
+
+@dataclass
+class GateSums:
+    """One gate's statistic, its items' rounding-noise scale and trained tokens, summed over its items."""
+
+    gate: str
+    statistic: float = 0.0
+    noise_scale: float = 0.0
+    tokens: float = 0.0
+    items: int = 0
+
+    def add(self, statistic: torch.Tensor, noise_scale: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.statistic += float(statistic.double().sum())
+        self.noise_scale += float(noise_scale.double().sum())
+        self.tokens += float(tokens.double().sum())
+        self.items += int(statistic.numel())
+
+    @property
+    def value(self) -> float:
+        return self.statistic / self.items if self.items else math.nan
+
+    def bound(self, cfg: TrainingConfig, dtype: torch.dtype, layers: int, other_engine: bool) -> float:
+        if not self.items:
+            return math.nan
+        floor = KL_BOUND_FLOOR_EPS2 if self.gate in ("token", "sequence") else KL_BOUND_FEW_ITEMS_FLOOR_EPS2
+        scale, tokens = self.noise_scale / self.items, self.tokens / self.items
+        return first_update_tolerance(cfg, dtype, layers, scale, tokens, floor, other_engine)
+
+
+def _gate_positions(span_lengths: Sequence[Sequence[int]], width: int) -> dict[str, torch.Tensor]:
+    """Bool [B, C] masks of the first_token, last_token and turn_boundary gates' tokens: a row's trained tokens fill
+    its columns 0..n-1, span after span."""
+    first = torch.zeros(len(span_lengths), width, dtype=torch.bool)
+    last, boundary = first.clone(), first.clone()
+    for b, lengths in enumerate(span_lengths):
+        ends = list(itertools.accumulate(lengths))
+        starts = [e - n for e, n in zip(ends, lengths, strict=True)]
+        kept = [(s, e) for s, e in zip(starts, ends, strict=True) if e > s]
+        if not kept:
+            continue
+        first[b, kept[0][0]] = True
+        last[b, kept[-1][1] - 1] = True
+        for s, e in kept:
+            boundary[b, s] = boundary[b, e - 1] = True
+        boundary[b, kept[0][0]] = boundary[b, kept[-1][1] - 1] = False
+    return {"first_token": first, "last_token": last, "turn_boundary": boundary}
 
 
 @dataclass
 class FirstUpdateDiagnostics:
     """What the first update measures besides its loss, summed over its micro-batches: the trainer against the
-    sampler (the first-update check's KL and ratio, the logprob mismatch), the entropy, and how many tokens and
+    sampler (the first-update check's gates, the ratio, the logprob mismatch), the entropy, and how many tokens and
     sequences the mismatch correction changed."""
 
     sampler: LossStats = field(default_factory=LossStats)
+    gates: dict[str, GateSums] = field(default_factory=lambda: {g: GateSums(g) for g in FIRST_UPDATE_GATES})
     entropy_sum: float = 0.0
-    logit_scale_sum: float = 0.0  # of logit_noise_scale over the trained tokens
+    varentropy_sum: float = 0.0
     mismatch_sum: float = 0.0
     mismatch_max: float = 0.0
     mismatch_over: int = 0
@@ -318,11 +481,11 @@ class FirstUpdateDiagnostics:
         loss_stats: LossStats | None,
         corrected_B_C: torch.Tensor | None,
         mismatch_threshold: float,
-        head_row_norms_V: torch.Tensor | None = None,
+        span_lengths: Sequence[Sequence[int]],
     ) -> None:
         """One micro-batch. `loss_stats`: the loss's own statistics when its ratio is against the sampler (no
         correction); with a correction the loss's denominator is the trainer's, so the ratio is computed here.
-        `head_row_norms_V`: the LM head's squared row norms (`Policy.head_row_norms`), for the logits' noise scale."""
+        `span_lengths`: the trained tokens of each row's turns, in order (one turn outside dialogues)."""
         mask_B_C = forward.mask_B_C
         logprobs_B_C = forward.logprobs_B_C.detach()
         self.sampler = self.sampler + (
@@ -334,29 +497,52 @@ class FirstUpdateDiagnostics:
         self.mismatch_over += int((mismatch_B_C > mismatch_threshold).sum())
         entropy_B_C = entropy(forward.logprobs_B_C_V.detach())
         self.entropy_sum += float(torch.where(mask_B_C, entropy_B_C, torch.zeros_like(entropy_B_C)).sum())
-        scale_B_C = logit_noise_scale(forward.logprobs_B_C_V.detach(), head_row_norms_V)
-        self.logit_scale_sum += float(torch.where(mask_B_C, scale_B_C, torch.zeros_like(scale_B_C)).sum())
         if corrected_B_C is not None:
             self.corrected_tokens += int(corrected_B_C.sum())
             self.corrected_sequences += int(corrected_B_C.any(-1).sum())
+        # the gates, in float64: a k3 of rounding noise is ~1e-9 per token
+        log_ratio_B_C = torch.where(mask_B_C, logprobs_B_C.double() - forward.sample_B_C.double(), 0.0)
+        k3_B_C = torch.expm1(log_ratio_B_C) - log_ratio_B_C
+        assert forward.noise_scale_B_C is not None and forward.varentropy_B_C is not None, "a first update's forward"
+        self.varentropy_sum += float(torch.where(mask_B_C, forward.varentropy_B_C, 0.0).sum())
+        scale_B_C = torch.where(mask_B_C, forward.noise_scale_B_C.double(), 0.0)
+        self.gates["token"].add(k3_B_C[mask_B_C], scale_B_C[mask_B_C], torch.ones(int(mask_B_C.sum())))
+        for gate, where_B_C in _gate_positions(span_lengths, mask_B_C.shape[1]).items():
+            where_B_C = where_B_C.to(mask_B_C.device) & mask_B_C
+            self.gates[gate].add(k3_B_C[where_B_C], scale_B_C[where_B_C], torch.ones(int(where_B_C.sum())))
+        rows_B = mask_B_C.any(-1)
+        self.gates["sequence"].add(
+            (0.5 * log_ratio_B_C.sum(-1).square())[rows_B], scale_B_C.sum(-1)[rows_B], mask_B_C.sum(-1)[rows_B]
+        )
 
     def all_reduced(self, dp: DataParallel) -> FirstUpdateDiagnostics:
         """Summed over the process group (the maximum of the largest mismatch)."""
-        entropy_sum, scale_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = dp.sum(
+        gate_values = [v for g in FIRST_UPDATE_GATES for v in dataclasses.astuple(self.gates[g])[1:]]
+        summed = dp.sum(
             [
                 self.entropy_sum,
-                self.logit_scale_sum,
+                self.varentropy_sum,
                 self.mismatch_sum,
                 self.mismatch_over,
                 self.corrected_tokens,
                 self.corrected_sequences,
+                *gate_values,
             ]
         )
+        entropy_sum, varentropy_sum, mismatch_sum, mismatch_over, corrected_tokens, corrected_sequences = summed[:6]
+        fields_per_gate = len(dataclasses.fields(GateSums)) - 1
+        gates = {
+            g: GateSums(g, *summed[6 + k * fields_per_gate : 6 + (k + 1) * fields_per_gate])
+            for k, g in enumerate(FIRST_UPDATE_GATES)
+        }
+        for gate in gates.values():
+            gate.items = int(gate.items)
         (mismatch_max,) = dp.max([self.mismatch_max])
         return FirstUpdateDiagnostics(
             _all_reduced(self.sampler, dp),
+            gates,
             entropy_sum,
-            scale_sum,
+            varentropy_sum,
             mismatch_sum,
             mismatch_max,
             int(mismatch_over),
@@ -364,33 +550,34 @@ class FirstUpdateDiagnostics:
             int(corrected_sequences),
         )
 
-    @property
-    def logit_scale(self) -> float:
-        """The mean of `logit_noise_scale` over the trained tokens."""
-        return self.logit_scale_sum / max(self.sampler.n_tokens, 1)
+    def bounds(self, cfg: TrainingConfig, dtype: torch.dtype, layers: int, sampler: str) -> dict[str, float]:
+        """Each gate's bound for this batch (NaN where the gate has no item); `sampler`: the engine that drew it."""
+        return {g: self.gates[g].bound(cfg, dtype, layers, sampler != "hf") for g in FIRST_UPDATE_GATES}
 
-    def tolerance(self, cfg: TrainingConfig, dtype: torch.dtype, layers: int) -> float:
-        """`first_update_tolerance` for this batch."""
-        return first_update_tolerance(cfg, dtype, layers, self.logit_scale)
-
-    def check(self, tolerance: float, dtype: torch.dtype, layers: int) -> None:
-        """Refuse the batch when the trainer does not see the distribution the tokens were sampled from."""
-        if not self.sampler.kl <= tolerance:  # NaN too
-            raise RatioCheckError(
-                f"first update: the trainer's logprobs differ from the sampler's by KL {self.sampler.kl:.2e} "
-                f"per token (tolerance {tolerance:.1e} for {str(dtype).removeprefix('torch.')}, {layers} layers, "
-                f"logit scale² {self.logit_scale:.2g}; "
-                f"mean |ratio - 1| {self.sampler.ratio_abs_dev:.2e}, largest |log-ratio| {self.mismatch_max:.2f}): "
-                "the trainer does not see the distribution the tokens were sampled from (a misaligned mask, "
-                "an unreplayed temperature or token suppression, other ids). The batch was not trained on. "
-                "If the sampler computes in another dtype than model.dtype, or another engine's rounding is "
-                "known to be larger, set training.first_update_kl_tolerance."
-            )
+    def check(self, bounds: dict[str, float], dtype: torch.dtype, layers: int) -> None:
+        """Refuse the batch when the trainer does not see the distribution the tokens were sampled from: a gate's
+        statistic above its bound (NaN too)."""
+        failed = [g for g in FIRST_UPDATE_GATES if self.gates[g].items and not self.gates[g].value <= bounds[g]]
+        if not failed:
+            return
+        tokens = self.gates["token"]
+        where = "; ".join(f"KL {self.gates[g].value:.2e} {_GATE_NAMES[g]} (bound {bounds[g]:.1e})" for g in failed)
+        raise RatioCheckError(
+            f"first update: the trainer's logprobs differ from the sampler's: {where} "
+            f"({str(dtype).removeprefix('torch.')}, {layers} layers, rounding-noise scale "
+            f"{tokens.noise_scale / max(tokens.items, 1):.2g} per token; "
+            f"mean |ratio - 1| {self.sampler.ratio_abs_dev:.2e}, largest |log-ratio| {self.mismatch_max:.2f}): "
+            "the trainer does not see the distribution the tokens were sampled from (a misaligned mask, "
+            "an unreplayed temperature or token suppression, other ids, a logprob recorded for another token). "
+            "The batch was not trained on. If the sampler computes in another dtype than model.dtype, or another "
+            "engine's rounding is known to be larger, set training.first_update_kl_tolerance (per token).",
+            {g: (self.gates[g].value, bounds[g]) for g in FIRST_UPDATE_GATES},
+        )
 
     def row(
         self,
         loss: float,
-        tolerance: float,
+        bounds: dict[str, float],
         clip_fraction: float,
         grad_norm: float,
         n_tokens: int,
@@ -398,10 +585,16 @@ class FirstUpdateDiagnostics:
         corrected: bool,
     ) -> dict[str, float]:
         """The first update's part of `UpdateStats`."""
+        gate_columns = {}
+        for gate in FIRST_UPDATE_GATES[1:]:
+            gate_columns[f"sampler_kl_{gate}"] = self.gates[gate].value
+            gate_columns[f"sampler_kl_{gate}_bound"] = bounds[gate]
         return {
             "loss": loss,
             "sampler_kl": self.sampler.kl,
-            "sampler_kl_tolerance": tolerance,
+            "sampler_kl_tolerance": bounds["token"],
+            **gate_columns,
+            "varentropy": self.varentropy_sum / n_tokens,
             "ratio_mean": self.sampler.ratio_mean,
             "ratio_std": self.sampler.ratio_std,
             "ratio_max": self.sampler.ratio_max,
@@ -450,7 +643,6 @@ def policy_gradient_step(
     correction = cfg.correction(batch.sampler)
     low, high = cfg.mismatch_bounds
     layers = policy.decoder_layers
-    head_row_norms_V = policy.head_row_norms()
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
     batches = micro_batches(rows, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)
     if data_parallel is not None:
@@ -465,7 +657,7 @@ def policy_gradient_step(
             loss_total, stats = 0.0, LossStats()
             diagnostics = FirstUpdateDiagnostics() if update == 0 else None
             for k, mb_rows in enumerate(batches):
-                forward = micro_batch_forward(policy, batch, mb_rows)
+                forward = micro_batch_forward(policy, batch, mb_rows, first_update=diagnostics is not None)
                 weights_B_C = token_weights(
                     forward.mask_B_C, cfg.loss_normalization, n_tokens, n_sequences, batch.max_trained_tokens
                 ).to(policy.device)
@@ -488,7 +680,8 @@ def policy_gradient_step(
                 stats = stats + mb_stats
                 if diagnostics is not None:
                     own_ratio = mb_stats if correction == "none" else None  # the loss's ratio is the sampler's
-                    diagnostics.add(forward, own_ratio, corrected_B_C, cfg.logprob_mismatch_threshold, head_row_norms_V)
+                    spans = [[end - start for start, end in batch.row_spans(i)] for i in mb_rows]
+                    diagnostics.add(forward, own_ratio, corrected_B_C, cfg.logprob_mismatch_threshold, spans)
             if data_parallel is not None:  # one step of the whole batch, in every process
                 data_parallel.sum_gradients(params)
                 (loss_total,) = data_parallel.sum([loss_total])
@@ -497,10 +690,10 @@ def policy_gradient_step(
                     diagnostics = diagnostics.all_reduced(data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if diagnostics is not None:
-                tolerance = diagnostics.tolerance(cfg, policy.compute_dtype, layers)
-                diagnostics.check(tolerance, policy.compute_dtype, layers)
+                bounds = diagnostics.bounds(cfg, policy.compute_dtype, layers, batch.sampler)
+                diagnostics.check(bounds, policy.compute_dtype, layers)
                 first = diagnostics.row(
-                    loss_total, tolerance, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
+                    loss_total, bounds, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
                 )
             if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
                 raise NonFiniteUpdateError(

@@ -1,7 +1,13 @@
-"""The first-update check tells rounding noise from misalignment: a correct bfloat16 run passes it at the default
-tolerance, and each way of training on other tokens, ids or distributions than were sampled is refused in bfloat16
-too. The misalignments are put into the batch or the trainer's distribution here, not into the code: each is one
-of the misalignment bug classes of docs/bug-classes.md, as it would reach the update."""
+"""The first-update check tells rounding noise from misalignment with margins, on models whose distributions are as
+peaked as a trained model's and as deep or as wide as real ones: a correct bfloat16 run's statistic is at most a third
+of its bound at every gate, and each way of training on other tokens, ids or distributions than were sampled is at
+least 3x its bound at the gate made for it, and refused. The misalignments are put into the batch or the trainer's
+distribution here, not into the code: each is one of the misalignment bug classes of docs/bug-classes.md, as it would
+reach the update.
+
+Models: a trained deep model (the embedded recipe at 8 layers, tests/deep_model.py) and a random model of Qwen3-4B's
+width and vocabulary with Qwen3's real tokenizer (2 layers; logits of standard deviation 5), at T in {0.7, 1.0}. The
+real CPU engine: tests/e2e/test_vllm_engine.py. Each case prints its statistic / bound per gate (`-s`)."""
 
 from __future__ import annotations
 
@@ -12,153 +18,232 @@ import pytest
 import torch
 
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
-from redteam_grpo.core.models.chat import format_prompt_ids
-from redteam_grpo.core.models.policy import load_policy, load_tokenizer
+from redteam_grpo.core.models.policy import load_policy
 from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
-from redteam_grpo.core.rollouts.sampling import sample_completions
-from redteam_grpo.core.training.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
+from redteam_grpo.core.training.train import (
+    KL_BOUND_WIDTH_COEF,
+    RatioCheckError,
+    TrainBatch,
+    first_update_tolerance,
+    make_optimizer,
+    rounding_noise_scale,
+)
 from redteam_grpo.core.training.train import policy_gradient_step as step
+from tests.first_update import (
+    check_margins,
+    check_refused,
+    drop_the_first_prompt_id,
+    read_the_wrong_column,
+    record_the_last_logprob_as_zero,
+    sampled_batch,
+    score_the_first_token_in_the_wrong_context,
+    shift_logprobs_one_token_late,
+    trainer_with_temperature,
+)
 
-PROMPTS = [
-    "Hi",
-    "Tell me, in as much detail as you can manage, what you really think about the people who live next door.",
-    "Describe my coworker.",
-    "What is the weather like today where you live, and why?",
-]
+QWEN3_4B_WIDTH = {  # Qwen/Qwen3-4B's config.json but for its depth (36 layers)
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151_936,
+    "tie_word_embeddings": True,
+}
 
 
-def _sampled_batch(policy, max_new_tokens=24) -> TrainBatch:
-    prompt_ids = [format_prompt_ids(policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
-    completions = sample_completions(policy, prompt_ids, 4, max_new_tokens, batch_size=16, seed=0)
-    return TrainBatch(
-        prompt_ids=[prompt_ids[c.prompt_index] for c in completions],
-        completion_ids=[c.completion_ids for c in completions],
-        sample_logprobs=[c.sample_logprobs for c in completions],
-        advantages=[float((-1) ** i) for i in range(len(completions))],
-        group_ids=[str(c.prompt_index) for c in completions],
-    )
+# -- the models --------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def wide_bfloat16_folder(tmp_path_factory, embedded_assets):
-    """A random Qwen3 of hidden 512 x 8 layers in bfloat16 (built in bfloat16, no float32 copy), with the embedded
-    tokenizer: wide enough that bfloat16 rounding moves logprobs by 3e-3 on average, as real models do more."""
+def trained_deep_folder(embedded_assets):
+    from tests.deep_model import trained_deep_policy
+
+    return trained_deep_policy()
+
+
+@pytest.fixture(scope="module")
+def real_width_folder(tmp_path_factory, embedded_assets):
+    """Qwen3-4B's width and vocabulary, 2 layers, random, in bfloat16, with Qwen3's real tokenizer; the tokenizer's
+    rows of the tied head ~N(0, 25), the padding rows past it 0 (as tests/e2e/test_real_width.py)."""
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = load_tokenizer(ModelConfig())
-    config = Qwen3Config(
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    from tests import real_tokenizers as real
+
+    tokenizer = real.qwen3()
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model = Qwen3ForCausalLM._from_config(
+        Qwen3Config(**QWEN3_4B_WIDTH, pad_token_id=tokenizer.pad_token_id), dtype=torch.bfloat16
+    )
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        embeddings[len(tokenizer) :] = 0
+        embeddings[: len(tokenizer)] *= 5
     model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
-    folder = tmp_path_factory.mktemp("wide-bf16")
+    folder = tmp_path_factory.mktemp("qwen3-4b-width")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
-def test_a_correct_bfloat16_run_at_width_passes_the_first_update_check_by_default(wide_bfloat16_folder):
-    policy = load_policy(ModelConfig(policy=str(wide_bfloat16_folder), dtype="bfloat16"), 1.0, torch.device("cpu"), 0)
-    cfg = TrainingConfig()  # every tolerance at its default
-    stats = step(policy, make_optimizer(policy, cfg), _sampled_batch(policy), cfg)
-    # the rounding noise is real: mean |ratio - 1| is several times the 1e-3 that a ratio check once required ...
-    assert stats.first_ratio_abs_dev > 2e-3 and stats.logprob_mismatch_max > 5e-3
-    # ... and second order in the KL, far below the bfloat16 tolerance
-    assert stats.sampler_kl < first_update_tolerance(cfg, torch.bfloat16) / 10
-    assert math.isfinite(stats.grad_norm) and stats.grad_norm > 0
+def _policy(folder, temperature, suppress_quarter=False):
+    policy = load_policy(ModelConfig(policy=str(folder), dtype="bfloat16"), temperature, torch.device("cpu"), 0)
+    if suppress_quarter:  # a sampler that forbids a quarter of the vocabulary
+        vocab = len(policy.tokenizer)
+        suppressed = tuple(sorted({*policy.distribution.suppressed_ids, *range(vocab // 4, vocab // 2)}))
+        policy.distribution = SamplingDistribution(temperature, suppressed)
+    return policy
 
 
-def _shift_logprobs_one_token_late(policy, batch):  # mask-off-by-one: token t scored with t-1's logprob
-    late = [[row[0], *row[:-1]] for row in batch.sample_logprobs]
-    return dataclasses.replace(batch, sample_logprobs=late)
+MODELS = ["trained_deep_folder", "real_width_folder"]
 
 
-def _drop_the_first_prompt_id(policy, batch):  # trained-ids-differ-from-sampled: a BOS/header lost on the way
-    return dataclasses.replace(batch, prompt_ids=[p[1:] for p in batch.prompt_ids])
-
-
-def _forget_the_temperature(policy, batch):  # trainer-ignores-temperature: sampled at 0.7, trained at 1
-    policy.distribution = SamplingDistribution(1.0, policy.distribution.suppressed_ids)
-    return batch
-
-
-def _forget_the_suppressed_ids(policy, batch):  # suppression-not-replayed
-    policy.distribution = SamplingDistribution(policy.distribution.temperature, ())
-    return batch
-
-
-def _read_the_wrong_column(policy, batch):  # logprobs that are not the sampler's (recorded-as-zeros, stale)
-    return dataclasses.replace(batch, sample_logprobs=[[0.0] * len(row) for row in batch.sample_logprobs])
-
-
-@pytest.mark.parametrize(
-    "misalign",
-    [
-        _shift_logprobs_one_token_late,
-        _drop_the_first_prompt_id,
-        _forget_the_temperature,
-        _forget_the_suppressed_ids,
-        _read_the_wrong_column,
-    ],
-)
-def test_each_misalignment_is_refused_in_bfloat16_at_the_default_tolerance(embedded_assets, misalign):
-    policy = load_policy(ModelConfig(dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
-    vocab = len(policy.tokenizer)
-    # a sampler that forbids a quarter of the vocabulary, so that forgetting it is not lost in rounding
-    suppressed = tuple(sorted({*policy.distribution.suppressed_ids, *range(vocab // 4, vocab // 2)}))
-    policy.distribution = SamplingDistribution(0.7, suppressed)
-    batch = _sampled_batch(policy)
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("model", MODELS)
+def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(request, model, temperature):
+    folder = request.getfixturevalue(model)
     cfg = TrainingConfig()
+    label = f"{model.removesuffix('_folder')} T={temperature}"
+    policy = _policy(folder, temperature)
+    batch = sampled_batch(policy)
+    misses: list = []
+    check_margins(policy, batch, cfg, label, misses)
+    other_temperature = 1.0 if temperature != 1.0 else 0.7
+    weak = [] if model == "real_width_folder" else [drop_the_first_prompt_id]
+    for misalign in weak:
+        # On the trained deep model a lost first prompt id moves the distribution by only ~20x the rounding noise, at
+        # both temperatures (KL 1.0e-3 against 5.1e-5 at T = 0.7, 2.1e-4 against 1.1e-5 at T = 1), while the noise per
+        # unit of the bound differs 6x between the two: no bound from the distribution is within 1/3 of both. It is
+        # real (asserted here: 10x the correct run's KL) and caught exactly where it happens instead: the ids are
+        # checked (tests/core/test_policy_invariants.py: the training forward sees exactly the ids the sampler fed
+        # and drew).
+        measured = TrainingConfig(first_update_kl_tolerance=1.0)
+        before = {k: v.clone() for k, v in policy.adapter_state().items()}
+        correct = step(policy, make_optimizer(policy, measured), batch, measured)
+        policy.load_adapter_state(before)
+        moved = step(policy, make_optimizer(policy, measured), misalign(policy, batch), measured)
+        policy.load_adapter_state(before)
+        print(f"{label} {misalign.__name__}: KL {moved.sampler_kl:.2e} against {correct.sampler_kl:.2e} correct")
+        assert moved.sampler_kl > 10 * correct.sampler_kl
+    for misalign, gates in [
+        (shift_logprobs_one_token_late, ("token", "sequence")),
+        *([(drop_the_first_prompt_id, ("token", "sequence"))] if not weak else []),
+        (read_the_wrong_column, ("token", "sequence")),
+        (score_the_first_token_in_the_wrong_context, ("first_token",)),
+        (trainer_with_temperature(other_temperature), ("token", "sequence")),
+    ]:
+        check_refused(policy, misalign(policy, batch), cfg, f"{label} {misalign.__name__}", gates, misses)
+        policy.distribution = batch.sampled_with
+    assert not misses, misses
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_dropped_first_prompt_id_is_refused_with_a_quarter_of_the_vocabulary_suppressed(request, model):
+    folder = request.getfixturevalue(model)
+    cfg = TrainingConfig()
+    policy = _policy(folder, 0.7, suppress_quarter=True)
+    batch = sampled_batch(policy)
+    label = f"{model.removesuffix('_folder')} T=0.7 quarter suppressed"
+    check_margins(policy, batch, cfg, label)
+    misaligned = drop_the_first_prompt_id(policy, batch)
+    check_refused(policy, misaligned, cfg, f"{label} drop_the_first_prompt_id", ("token", "sequence"))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_last_logprob_recorded_as_zero_in_long_rows_is_refused_at_the_last_token(request, model):
+    """The per-token mean divides a once-per-row error by the row's length: the last-token and sequence gates do
+    not. 256-token rows (the trained model ends some rows earlier, at its EOS: their last token is the EOS)."""
+    folder = request.getfixturevalue(model)
+    cfg = TrainingConfig()
+    policy = _policy(folder, 1.0)
+    batch = sampled_batch(policy, max_new_tokens=256, samples=2)
+    label = f"{model.removesuffix('_folder')} T=1.0, 256-token rows"
+    check_margins(policy, batch, cfg, label)
+    misaligned = record_the_last_logprob_as_zero(policy, batch)
+    check_refused(policy, misaligned, cfg, f"{label} record_the_last_logprob_as_zero", ("last_token",))
+    print(f"{label}: mean trained tokens per row {sum(map(len, batch.completion_ids)) / len(batch.completion_ids):.0f}")
+
+
+def test_a_turn_boundary_error_is_refused_at_the_turn_boundary_gate(trained_deep_folder):
+    """A dialogue row (two trained turns with the other speaker's tokens between) whose second turn's first token
+    carries another token's logprob: one token in the row, held against the turn boundaries' bound."""
+    cfg = TrainingConfig()
+    policy = _policy(trained_deep_folder, 1.0)
+    single = sampled_batch(policy)
+    keep = [i for i, c in enumerate(single.completion_ids) if len(c) >= 12]
+    assert len(keep) >= 4
+    spans, logprobs = [], []
+    for i in keep:
+        start, n = len(single.prompt_ids[i]), len(single.completion_ids[i])
+        middle = n // 2
+        spans.append([(start, start + middle - 2), (start + middle, start + n)])
+        row = single.sample_logprobs[i]
+        logprobs.append([*row[: middle - 2], *row[middle:]])
+    dialogue = TrainBatch(
+        prompt_ids=[single.prompt_ids[i] for i in keep],
+        completion_ids=[single.completion_ids[i] for i in keep],
+        sample_logprobs=logprobs,
+        advantages=[single.advantages[i] for i in keep],
+        group_ids=[single.group_ids[i] for i in keep],
+        spans=spans,
+        sampled_with=single.sampled_with,
+    )
+    noise = check_margins(policy, dialogue, cfg, "trained_deep dialogue")
+    assert not math.isnan(noise["turn_boundary"])
+    swapped = []  # the second turn's first logprob is the first turn's last (an off-by-one at the turn's start)
+    for (first, _), row in zip(spans, logprobs, strict=True):
+        at = first[1] - first[0]
+        swapped.append([*row[:at], row[at - 1], *row[at + 1 :]])
+    check_refused(policy, dataclasses.replace(dialogue, sample_logprobs=swapped), cfg, "dialogue", ("turn_boundary",))
+
+
+def test_the_bound_is_the_samplers_a_trainer_side_temperature_does_not_raise_it(trained_deep_folder):
+    """Self-inflation: a trainer that applies T = 0.7 to a batch drawn at T = 1 sharpens its own distribution; the
+    bound is taken from the distribution the batch records, so it is the same as the correct run's."""
+    cfg = TrainingConfig()
+    policy = _policy(trained_deep_folder, 1.0)
+    batch = sampled_batch(policy)
     before = {k: v.clone() for k, v in policy.adapter_state().items()}
-    correct = step(policy, make_optimizer(policy, cfg), batch, cfg)  # the same batch, aligned: accepted
-    assert correct.sampler_kl < first_update_tolerance(cfg, torch.bfloat16) / 10
-    policy.load_adapter_state(before)  # back to the sampling weights
-    misaligned = misalign(policy, batch)
-    with pytest.raises(RatioCheckError, match="does not see the distribution the tokens were sampled from"):
-        step(policy, make_optimizer(policy, cfg), misaligned, cfg)
-    assert all(torch.equal(before[k], v) for k, v in policy.adapter_state().items())  # nothing was applied
+    lifted = cfg.model_copy(update={"learning_rate": 0.0})
+    correct = step(policy, make_optimizer(policy, lifted), batch, lifted)
+    policy.distribution = SamplingDistribution(0.7, policy.distribution.suppressed_ids)
+    with pytest.raises(RatioCheckError) as refused:
+        step(policy, make_optimizer(policy, cfg), batch, cfg)
+    assert f"bound {correct.sampler_kl_tolerance:.1e}" in str(refused.value)
+    policy.load_adapter_state(before)
+    # without the record, the trainer's own (sharper) distribution would set the bound: larger
+    unrecorded = dataclasses.replace(batch, sampled_with=None)
+    with pytest.raises(RatioCheckError) as inflated:
+        step(policy, make_optimizer(policy, cfg), unrecorded, cfg)
+    assert f"bound {correct.sampler_kl_tolerance:.1e}" not in str(inflated.value)
 
 
-def test_the_default_tolerance_follows_the_compute_dtype_depth_and_logit_scale_and_a_set_one_wins():
+def test_the_default_bound_follows_the_dtype_depth_and_noise_scale_and_a_set_one_wins():
     eps2 = 2.0**-14  # bfloat16
     assert first_update_tolerance(TrainingConfig(), torch.float32) == 1e-6
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16) == pytest.approx(16 * eps2)
-    assert first_update_tolerance(TrainingConfig(), torch.float16) == pytest.approx(16 * 2.0**-20)
-    # a shallow model or flat logits: the dtype's bound; a deep one with spread logits: one eps^2 per layer and unit
-    # of variance (a random Qwen3-4B with logits of standard deviation 5 measured 6.5e-3 against this 5.5e-2)
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=8, logit_scale=1.0) == 16 * eps2
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, logit_scale=1.0) == 36 * eps2
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, logit_scale=25.0) == 900 * eps2
-    assert first_update_tolerance(TrainingConfig(), torch.float32, layers=36, logit_scale=25.0) == 1e-6
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16) == pytest.approx(eps2)  # the floor: one eps^2
+    assert first_update_tolerance(TrainingConfig(), torch.float16) == 1e-6  # its eps^2, 2^-20, is below the floor
+    # one eps^2 per layer and unit of the noise scale: linear in each
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=8, noise_scale=1.0) == 8 * eps2
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=1.0) == 36 * eps2
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=0.5) == 18 * eps2
+    # a peaked distribution (noise scale near 0) falls to the floor, not to 0
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=1e-6) == eps2
+    assert first_update_tolerance(TrainingConfig(), torch.float32, layers=36, noise_scale=25.0) == 1e-6
     set_one = TrainingConfig(first_update_kl_tolerance=0.5)
     assert first_update_tolerance(set_one, torch.float32) == 0.5
-    assert first_update_tolerance(set_one, torch.bfloat16, layers=36, logit_scale=25.0) == 0.5
+    assert first_update_tolerance(set_one, torch.bfloat16, layers=36, noise_scale=25.0) == 0.5
+    # a sequence of 100 tokens: the set bound per token times its tokens
+    assert first_update_tolerance(set_one, torch.bfloat16, layers=36, noise_scale=25.0, tokens=100) == 50.0
 
 
-def test_the_tolerance_grows_with_a_deep_models_spread_logits_and_still_refuses_a_misalignment(wide_bfloat16_folder):
-    policy = load_policy(ModelConfig(policy=str(wide_bfloat16_folder), dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
-    with torch.no_grad():  # tied: the logits spread 5x (squared scale about 5 at this width)
-        policy.model.get_input_embeddings().weight.mul_(5.0)
-    batch = _sampled_batch(policy)
-    cfg = TrainingConfig()
-    before = {k: v.clone() for k, v in policy.adapter_state().items()}
-    correct = step(policy, make_optimizer(policy, cfg), batch, cfg)
-    layers = policy.decoder_layers
-    assert layers == 8
-    # the bound the step used is the depth times the logits' squared scale, above the dtype's 16 eps^2
-    logit_scale = correct.sampler_kl_tolerance / (layers * torch.finfo(torch.bfloat16).eps ** 2)
-    assert 2.0 < logit_scale < 20.0
-    assert correct.sampler_kl_tolerance > first_update_tolerance(cfg, torch.bfloat16)
-    assert correct.sampler_kl < correct.sampler_kl_tolerance / 10
-    policy.load_adapter_state(before)
-    with pytest.raises(RatioCheckError, match="8 layers, logit scale"):
-        step(policy, make_optimizer(policy, cfg), _drop_the_first_prompt_id(policy, batch), cfg)
+def test_the_noise_scale_is_the_varentropy_plus_the_width_times_the_logits_magnitude_squared():
+    varentropy_B_C = torch.tensor([[0.5, 0.0]])
+    second_moment_B_C = torch.tensor([[100.0, 400.0]])
+    scale = rounding_noise_scale(varentropy_B_C, second_moment_B_C, hidden_size=2560)
+    expected = varentropy_B_C + KL_BOUND_WIDTH_COEF * 2560**2 * second_moment_B_C
+    assert torch.allclose(scale, expected)
+    # the same logits at twice the width: the logit term four times
+    wider = rounding_noise_scale(varentropy_B_C, second_moment_B_C, hidden_size=5120) - varentropy_B_C
+    assert torch.allclose(wider, 4 * (scale - varentropy_B_C))

@@ -10,7 +10,7 @@ from redteam_grpo.core.models.chat import format_prompt_ids, format_sft_ids
 from redteam_grpo.core.models.policy import PolicyError, load_policy
 from redteam_grpo.core.rollouts.sampling import sample_completions
 from redteam_grpo.core.training.kl import policy_reference_logprobs, sequence_kl
-from redteam_grpo.core.training.train import TrainBatch, first_update_tolerance, make_optimizer, policy_gradient_step
+from redteam_grpo.core.training.train import TrainBatch, make_optimizer, policy_gradient_step
 
 PROMPTS = [
     "Hi",
@@ -262,5 +262,5 @@ def test_bfloat16_weights_sample_and_train_with_float32_logprob_math(embedded_as
     assert (recorded.to(torch.bfloat16).float() != recorded).float().mean() > 0.9
     cfg = TrainingConfig()
     stats = policy_gradient_step(policy, make_optimizer(policy, cfg), _batch(prompt_ids, completions), cfg)
-    assert stats.sampler_kl < first_update_tolerance(cfg, torch.bfloat16)  # the cached decode and full forward agree
+    assert stats.sampler_kl < stats.sampler_kl_tolerance / 3  # the cached decode and full forward agree
     assert math.isfinite(stats.grad_norm) and stats.grad_norm > 0

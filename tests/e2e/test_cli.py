@@ -335,6 +335,9 @@ def test_a_run_at_a_url_is_run_resumed_inspected_and_queried_by_its_url(tmp_path
     out = _cli("inspect", f"{url}/u")
     assert out.returncode == 0, out.stderr
     assert "run u: completed, 2 iterations completed" in out.stderr and "\n   1 " in out.stdout
+    # the first-update check's gates beside their bounds, per iteration
+    check = out.stdout[out.stdout.index("first-update check") :]
+    assert all(gate in check for gate in ("token", "first", "last", "turns", "sequence", "varentropy")), check
     out = _cli("inspect", f"{url}/u", "--sql", "select count(*) as n from rollouts")
     assert out.returncode == 0, out.stderr
     assert "24" in out.stdout  # 2 iterations x 3 prompts x 4 samples

@@ -10,7 +10,6 @@ prompt ids echoed back."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -30,8 +29,7 @@ from redteam_grpo.core.config import ModelConfig, TrainingConfig, load_config
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import load_policy, resolve_model_name
-from redteam_grpo.core.training.train import RatioCheckError, TrainBatch, first_update_tolerance, make_optimizer
-from redteam_grpo.core.training.train import policy_gradient_step as step
+from redteam_grpo.core.training.train import FIRST_UPDATE_GATES, TrainBatch
 from redteam_grpo.flows import attack
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.server.vllm_client import SamplerError, VllmSampler
@@ -40,14 +38,18 @@ from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks.evaluate import evaluate_checkpoint
 from redteam_grpo.tasks.evaluate_defense import evaluate_defense
-from tests.core.test_first_update_check import (
-    PROMPTS,
-    _forget_the_temperature,
-    _read_the_wrong_column,
-    _shift_logprobs_one_token_late,
-)
 from tests.e2e.test_cli import CLI, ROOT
 from tests.e2e.test_reward_server_run import _free_port
+from tests.first_update import (
+    PROMPTS,
+    check_margins,
+    check_refused,
+    read_the_wrong_column,
+    record_the_last_logprob_as_zero,
+    score_the_first_token_in_the_wrong_context,
+    shift_logprobs_one_token_late,
+    trainer_with_temperature,
+)
 from tests.processes import default_stop_signals
 from tests.small_runs import SMALL_RUN
 
@@ -123,9 +125,19 @@ def defense_engine(engine_env, tmp_path_factory):
     served.stop()
 
 
+def assert_a_third_of_each_bound(metrics: pd.DataFrame) -> None:
+    """Every iteration's first-update gates at most a third of their bounds (a gate with nothing to check is NaN)."""
+    for gate in FIRST_UPDATE_GATES:
+        value, bound = ("sampler_kl", "sampler_kl_tolerance") if gate == "token" else (f"sampler_kl_{gate}",) * 2
+        bound = bound if gate == "token" else f"{bound}_bound"
+        ratio = metrics[value] / metrics[bound]
+        assert (ratio.isna() | (ratio <= 1 / 3)).all(), (gate, ratio.tolist())
+
+
 def _mismatch(run: RunDir, iterations: int, stage=TRAIN_STEP) -> pd.DataFrame:
     metrics = pd.concat(pd.read_parquet(run.path(stage, i)) for i in range(iterations))
-    columns = ["sampler_kl", "first_ratio_abs_dev", "logprob_mismatch_mean", "logprob_mismatch_max"]
+    columns = ["sampler_kl", "sampler_kl_tolerance", "first_ratio_abs_dev", "logprob_mismatch_mean"]
+    columns += ["sampler_kl_first_token", "sampler_kl_last_token", "sampler_kl_sequence", "varentropy"]
     print(metrics[[*columns, "correction_token_share"]].to_string())  # the figures a reader of -s wants
     return metrics
 
@@ -150,7 +162,7 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
         ]
         assert max(deltas) > 1e-4
     assert metrics.kl_base_mean.iloc[0] == 0.0
-    assert (metrics.sampler_kl < first_update_tolerance(TrainingConfig(), torch.bfloat16) / 5).all()
+    assert_a_third_of_each_bound(metrics)
     assert (metrics.correction_token_share >= 0).all()  # token_truncate is on by default for another engine
     # the server holds the last version's adapter and the base, nothing else
     served = {card["id"] for card in httpx.get(engine.url + "/v1/models").json()["data"]}
@@ -174,11 +186,11 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
     overrides += [f"defense.self_play={str(self_play).lower()}", f"run.runs_dir={tmp_path}", "run.run_id=def"]
     run = RunDir.open(Path(defense_run(config=load_config(None, overrides, mode="defense").model_dump(mode="json"))))
     assert run.manifest()["status"] == "completed"
-    tolerance = first_update_tolerance(TrainingConfig(), torch.bfloat16)
     stages = [TRAIN_STEP, ATTACK_TRAIN_STEP] if self_play else [TRAIN_STEP]
     for stage in stages:  # the attacker's prompts came from the engine too: its kernels, not the trainer's
         metrics = _mismatch(run, 2, stage)
-        assert (metrics.logprob_mismatch_mean > 1e-4).all() and (metrics.sampler_kl < tolerance / 5).all()
+        assert (metrics.logprob_mismatch_mean > 1e-4).all()
+        assert_a_third_of_each_bound(metrics)
     attacks = pd.read_parquet(run.path(ATTACK, 1))
     assert attacks.completion_token_ids.map(len).gt(0).all()
     # two adapters on the one served base: the defender's and the attacker's of the last version
@@ -201,7 +213,8 @@ def test_a_bfloat16_three_turn_run_samples_every_turn_through_the_engine(tmp_pat
     assert run.manifest()["status"] == "completed"
     metrics = _mismatch(run, 2)
     assert (metrics.logprob_mismatch_mean > 1e-4).all()
-    assert (metrics.sampler_kl < first_update_tolerance(TrainingConfig(), torch.bfloat16) / 5).all()
+    assert_a_third_of_each_bound(metrics)  # the turn boundaries' gate included
+    assert metrics.sampler_kl_turn_boundary.notna().all()
     rollouts = pd.read_parquet(run.path(SAMPLE, 1))
     assert sorted(set(zip(rollouts.turn, rollouts.speaker, strict=True))) == [
         (0, "policy"),
@@ -309,12 +322,20 @@ def test_suppressing_by_logit_bias_draws_the_same_tokens_with_the_same_logprobs_
     assert sum(len(c["token_ids"]) for c in answers[0]) > 100
 
 
-def test_on_the_engine_bfloat16_passes_the_first_update_check_and_each_misalignment_is_refused(engine):
-    policy = load_policy(ModelConfig(dtype="bfloat16"), 0.7, torch.device("cpu"), 0)
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_on_the_engine_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(engine, temperature):
+    """The engine's kernels against the trainer's, bfloat16: a correct batch at most 1/3 of every gate's bound, each
+    misalignment at least 3x its own. A lost first prompt id is left out: on this trained 2-layer model it moves the
+    distribution by less than the engine's own rounding, so no statistic of the distribution can see it; the ids are
+    checked exactly instead (tests/core/test_policy_invariants.py: the training forward sees exactly the ids the
+    sampler fed and drew)."""
+    policy = load_policy(ModelConfig(dtype="bfloat16"), temperature, torch.device("cpu"), 0)
     base = resolve_model_name(ModelConfig().policy)  # the served base model's name: no adapter
     prompt_ids = [format_prompt_ids(policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
     suppressed = policy.distribution.suppressed_ids
-    completions = VllmSampler(engine.url).sample(base, prompt_ids, 4, 24, 0.7, 0, policy.end_of_turn_ids, suppressed)
+    completions = VllmSampler(engine.url).sample(
+        base, prompt_ids, 4, 24, temperature, 0, policy.end_of_turn_ids, suppressed
+    )
     batch = TrainBatch(
         prompt_ids=[prompt_ids[c.prompt_index] for c in completions],
         completion_ids=[c.completion_ids for c in completions],
@@ -322,25 +343,22 @@ def test_on_the_engine_bfloat16_passes_the_first_update_check_and_each_misalignm
         advantages=[float((-1) ** i) for i in range(len(completions))],
         group_ids=[str(c.prompt_index) for c in completions],
         sampler="vllm",
+        sampled_with=policy.distribution,
     )
     cfg = TrainingConfig()
-    start = {k: v.clone() for k, v in policy.adapter_state().items()}
-    correct = step(policy, make_optimizer(policy, cfg), batch, cfg)
-    print(f"engine, bfloat16: KL {correct.sampler_kl:.2e}, mean |ratio - 1| {correct.first_ratio_abs_dev:.2e}")
-    assert correct.logprob_mismatch_mean > 1e-4  # the engine's kernels are not the trainer's
-    # A lost first prompt id is left out here: what it changes in the distribution depends on the model, and with
-    # an embedded policy built on one CPU it was KL 2.4e-4 per token on these prompts, under bfloat16's tolerance,
-    # so no dtype-derived check can see it. The ids are checked exactly instead
-    # (tests/core/test_policy_invariants.py: the training forward sees exactly the ids the sampler fed and drew).
-    for misalign in (
-        _shift_logprobs_one_token_late,
-        _forget_the_temperature,
-        _read_the_wrong_column,
-    ):
-        policy.load_adapter_state(start)
-        policy.distribution = dataclasses.replace(policy.distribution, temperature=0.7)
-        with pytest.raises(RatioCheckError, match="does not see the distribution"):
-            step(policy, make_optimizer(policy, cfg), misalign(policy, batch), cfg)
+    label = f"engine T={temperature}"
+    misses: list = []
+    check_margins(policy, batch, cfg, label, misses)
+    for misalign, gates in [
+        (shift_logprobs_one_token_late, ("token", "sequence")),
+        (read_the_wrong_column, ("token", "sequence")),
+        (score_the_first_token_in_the_wrong_context, ("first_token",)),
+        (record_the_last_logprob_as_zero, ("last_token",)),
+        (trainer_with_temperature(1.0 if temperature != 1.0 else 0.7), ("token", "sequence")),
+    ]:
+        check_refused(policy, misalign(policy, batch), cfg, f"{label} {misalign.__name__}", gates, misses)
+        policy.distribution = batch.sampled_with
+    assert not misses, misses
 
 
 def test_an_engine_that_dies_mid_run_is_one_error_line_and_the_run_resumes_after_a_restart(tmp_path, engine_env):
