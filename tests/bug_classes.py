@@ -410,7 +410,7 @@ BUG_CLASSES = [
         "first-update-check-loosened",
         "core/training/train.py",
         "bounds = diagnostics.bounds(cfg, policy.compute_dtype, layers, batch.sampler)",
-        "bounds = dict.fromkeys(FIRST_UPDATE_GATES, 0.05)",
+        "bounds = diagnostics.bounds(cfg.model_copy(update={'first_update_kl_tolerance': 0.05}), policy.compute_dtype, layers, batch.sampler)",
         "tests/core/test_first_update_check.py::test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it[trained_deep_folder-1.0]",
     ),
     (
