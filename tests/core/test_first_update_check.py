@@ -40,18 +40,7 @@ from tests.first_update import (
     shift_logprobs_one_token_late,
     trainer_with_temperature,
 )
-
-QWEN3_4B_WIDTH = {  # Qwen/Qwen3-4B's config.json but for its depth (36 layers)
-    "hidden_size": 2560,
-    "intermediate_size": 9728,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151_936,
-    "tie_word_embeddings": True,
-}
-
+from tests.real_width import save_real_width_model
 
 # -- the models --------------------------------------------------------------------------------------------------
 
@@ -65,26 +54,7 @@ def trained_deep_folder(embedded_assets):
 
 @pytest.fixture(scope="module")
 def real_width_folder(tmp_path_factory, embedded_assets):
-    """Qwen3-4B's width and vocabulary, 2 layers, random, in bfloat16, with Qwen3's real tokenizer; the tokenizer's
-    rows of the tied head ~N(0, 25), the padding rows past it 0 (as tests/e2e/test_real_width.py)."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    from tests import real_tokenizers as real
-
-    tokenizer = real.qwen3()
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM._from_config(
-        Qwen3Config(**QWEN3_4B_WIDTH, pad_token_id=tokenizer.pad_token_id), dtype=torch.bfloat16
-    )
-    with torch.no_grad():
-        embeddings = model.get_input_embeddings().weight
-        embeddings[len(tokenizer) :] = 0
-        embeddings[: len(tokenizer)] *= 5
-    model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
-    folder = tmp_path_factory.mktemp("qwen3-4b-width")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_real_width_model(tmp_path_factory.mktemp("qwen3-4b-width"))
 
 
 def _policy(folder, temperature, suppress_quarter=False):

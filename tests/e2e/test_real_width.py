@@ -13,21 +13,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from safetensors import safe_open
 
+from tests.real_width import save_real_width_model
+
 ROOT = Path(__file__).resolve().parents[2]
-# Qwen/Qwen3-4B's config.json but for its depth (36 layers)
-QWEN3_4B_WIDTH = {
-    "hidden_size": 2560,
-    "intermediate_size": 9728,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151_936,
-    "tie_word_embeddings": True,
-}
 # The interpreter with torch, transformers, peft and Prefect imported, the embedded scorer, the toy data and Qwen's
 # real tokenizer (151,669 entries; 0.23 GB more peak than the embedded tokenizer's run, measured): what a run holds
 # beside the policy's weights. The bound is 1.5x the weights beside it; measured: 2.43 GB for 1.18 GB of weights
@@ -43,23 +33,7 @@ MEASURED = (
 
 @pytest.fixture(scope="module")
 def real_width_folder(tmp_path_factory, embedded_assets):
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    from tests import real_tokenizers as real
-
-    tokenizer = real.qwen3()
-    torch.manual_seed(0)
-    config = Qwen3Config(**QWEN3_4B_WIDTH, pad_token_id=tokenizer.pad_token_id)
-    model = Qwen3ForCausalLM._from_config(config, dtype=torch.bfloat16)  # no float32 copy
-    with torch.no_grad():  # speak the tokenizer's ids: the 267 padding rows past its 151,669 have no text
-        embeddings = model.get_input_embeddings().weight  # tied: the LM head's rows too
-        embeddings[len(tokenizer) :] = 0  # their logits 0 ...
-        embeddings[: len(tokenizer)] *= 5  # ... the tokenizer's ~N(0, 25): those are drawn
-    model.generation_config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
-    folder = tmp_path_factory.mktemp("qwen3-4b-width")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_real_width_model(tmp_path_factory.mktemp("qwen3-4b-width"))
 
 
 def test_the_shipped_config_at_real_width_runs_every_stage_in_bfloat16(real_width_folder, tmp_path):
