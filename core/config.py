@@ -187,7 +187,7 @@ class TrainingConfig(_Section):
     token, each turn boundary, summed over each sequence): the trainer would not be computing the distribution the
     tokens were drawn from (a misaligned mask, an unreplayed temperature, other ids, a logprob recorded for another
     token). None: derived per gate from the rounding noise of the distribution the tokens were drawn from, in units of
-    the dtype's machine epsilon squared: the decoder layers times each token's rounding-noise scale (its varentropy
+    the dtype's machine epsilon squared: each token's rounding-noise scale (the decoder layers times its varentropy,
     plus the width times the logits' magnitude, squared), 4x for another engine (core/training/train.py: measured, a
     correct run stays below a third of every bound, and each misalignment is 3x it). The bounds used are the metrics
     sampler_kl_tolerance and sampler_kl_*_bound."""

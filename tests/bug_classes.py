@@ -430,9 +430,9 @@ BUG_CLASSES = [
     (
         "first-update-tolerance-blind-to-depth",
         "core/training/train.py",
-        "return max(factor * max(floor_eps2, layers * noise_scale) * eps2, KL_BOUND_FLOOR)",
-        "return max(factor * floor_eps2 * eps2, KL_BOUND_FLOOR)",
-        "tests/core/test_first_update_check.py::test_the_default_bound_follows_the_dtype_depth_and_noise_scale_and_a_set_one_wins tests/core/test_first_update_check.py::test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it[real_width_folder-0.7]",
+        "return layers * varentropy_B_C + KL_BOUND_WIDTH_COEF * hidden_size**2 * second_moment_B_C",
+        "return varentropy_B_C + KL_BOUND_WIDTH_COEF * hidden_size**2 * second_moment_B_C",
+        "tests/core/test_first_update_check.py::test_the_noise_scale_is_the_depth_times_the_varentropy_plus_the_width_times_the_logits_magnitude_squared tests/core/test_first_update_check.py::test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it[trained_deep_folder-0.7]",
     ),
     (
         "first-update-bound-raised-by-the-trainer",

@@ -20,22 +20,25 @@ which a signed error adds up along the row while rounding noise grows only as it
 
 The bound follows the noise, from the distribution the tokens were drawn from (`TrainBatch.sampled_with`, the
 sampler's recorded temperature: a trainer that applies another temperature cannot raise its own bound): per token,
-eps(dtype)^2 x decoder layers x `rounding_noise_scale`, the varentropy of that distribution (what a perturbation of
-the hidden state moves it by: 1/2 Var_p(dz) for logits z + dz) plus 3e-8 x (hidden size x the logits' root-mean-square
-magnitude)^2 (a logit rounds relative to its magnitude, and two kernels round a wide model's apart more often); each
+eps(dtype)^2 x `rounding_noise_scale`, the decoder layers times the varentropy of that distribution (each layer
+perturbs the hidden state, and a perturbation dz of the logits moves p by 1/2 Var_p(dz)) plus 6e-8 x (hidden size x
+the logits' root-mean-square magnitude)^2 (the logits are rounded once, at the head, relative to their magnitude, and
+two kernels round a wide model's apart more often); each
 gate's bound is its items' mean, at least one eps^2 (32 for the gates of one token per row, whose mean of a few
-heavy-tailed values fluctuates), times 4 for another engine (vLLM: other kernels in every op). Neither statistic alone
-fits: per unit of the varentropy the noise measured 0.03 to 0.17 on a trained 8-layer, 128-wide model and 1.4 to 4.4 on
-a random one of Qwen3-4B's width with spread logits (sd 5); per unit of the logit term 1.7e-6 to 5.6e-6 on the wide
-one (first tokens included) but 37 to 135 on random models with small logits, where the varentropy fits (0.07 to 0.3).
+heavy-tailed values fluctuates), times 4 for another engine (vLLM: other kernels in every op). Neither term alone
+fits: per unit of layers x varentropy the noise measured 0.03 to 0.17 on a trained 8-layer, 128-wide model and 1.4 to
+4.4 on a random 2-layer one of Qwen3-4B's width with spread logits (sd 5), which the logit term carries; on random
+models with small logits the varentropy fits (0.07 to 0.3). The logit term does not grow with the depth: a random
+Qwen3-4B at its 36 layers measured 5.8e-3 to 8.2e-3 per token (bench/README.md, section 8), about a third of the
+2.4e-2 this law gives with the 2-layer model's distributions, where depth on that term would give 0.25.
 Measured, bfloat16, statistic / bound at the default (tests/core/test_first_update_check.py and
 tests/e2e/test_vllm_engine.py; correct run: largest over the gates, 256-token rows and dialogues included;
 misalignment: largest over the gates made for it):
 
 | model                             | T   | correct | shifted | other column | 1st ctx | temperature | EOS=0 | lost id |
 |-----------------------------------|-----|---------|---------|--------------|---------|-------------|-------|---------|
-| trained deep (8 layers, 128 wide) | 0.7 | 0.18    | 2.1e4   | 4.2e4        | 4.7e8   | 123         |       | (20x)   |
-| trained deep                      | 1.0 | 0.13    | 1.4e4   | 3.7e4        | 4.6e6   | 94          | 184   | (20x)   |
+| trained deep (8 layers, 128 wide) | 0.7 | 0.20    | 2.3e4   | 4.7e4        | 4.7e8   | 137         |       | (20x)   |
+| trained deep                      | 1.0 | 0.13    | 1.4e4   | 3.8e4        | 4.6e6   | 98          | 184   | (20x)   |
 | random, Qwen3-4B width, 2 layers  | 0.7 | 0.22    | 4.8e3   | 281          | 1.8e15  | 11          |       | 242     |
 | random, Qwen3-4B width            | 1.0 | 0.25    | 3.3e4   | 4.3e3        | 1.2e11  | 141         | 85    | 320     |
 | the CPU engine, embedded model    | 0.7 | 0.19    | 1.5e4   | 3.2e4        | 2.8e7   | 104         | 61    |         |
@@ -43,7 +46,7 @@ misalignment: largest over the gates made for it):
 
 (EOS=0 in 256-token rows: the last-token gate; the per-token mean of the same error on the wide model is 0.37 of its
 bound, which is what the gate is for.) A first prompt id lost on the way is 17 to 36x its bound on the wide model and
-4.0x on the trained deep model with a quarter of the vocabulary suppressed, but only 20x the noise on the trained deep
+4.2x on the trained deep model with a quarter of the vocabulary suppressed, but only 20x the noise on the trained deep
 model without it, at both temperatures, where the noise per unit of the bound differs 6x: no bound from the
 distribution holds both margins there. The ids are checked exactly instead (the sample stage stores the ids fed and
 drawn, the trainer packs exactly those). A sampler one update behind moves the distribution by one learning-rate step,
@@ -249,11 +252,11 @@ def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
     )
 
 
-# The default first-update bound per token, in units of the compute dtype's machine epsilon squared: the number of
-# decoder layers times the token's rounding-noise scale (`rounding_noise_scale`), whose logit term has the coefficient
-# KL_BOUND_WIDTH_COEF; a gate's bound is at least KL_BOUND_FLOOR_EPS2 eps^2 and KL_BOUND_FLOOR (the module docstring
-# gives the measurements they are fitted to).
-KL_BOUND_WIDTH_COEF = 3e-8
+# The default first-update bound per token, in units of the compute dtype's machine epsilon squared: the token's
+# rounding-noise scale (`rounding_noise_scale`), whose logit term has the coefficient KL_BOUND_WIDTH_COEF; a gate's
+# bound is at least KL_BOUND_FLOOR_EPS2 eps^2 and KL_BOUND_FLOOR (the module docstring gives the measurements they are
+# fitted to).
+KL_BOUND_WIDTH_COEF = 6e-8
 KL_BOUND_FLOOR_EPS2 = 1.0
 KL_BOUND_FLOOR = 1e-6
 # The gates of one token per row (first_token, last_token, turn_boundary) average few values of a heavy-tailed noise
@@ -267,23 +270,23 @@ KL_BOUND_OTHER_ENGINE_FACTOR = 4.0
 
 
 def rounding_noise_scale(
-    varentropy_B_C: torch.Tensor, second_moment_B_C: torch.Tensor, hidden_size: int
+    varentropy_B_C: torch.Tensor, second_moment_B_C: torch.Tensor, layers: int, hidden_size: int
 ) -> torch.Tensor:
-    """The scale of the KL that rounding adds at each token, per decoder layer and eps^2, from the distribution the
-    token was drawn from: its varentropy (how much a perturbation of the hidden state moves it) plus
-    KL_BOUND_WIDTH_COEF x (hidden size x its logits' root-mean-square magnitude)^2 (a logit rounds relative to its
-    magnitude, and the wider the model the more often two kernels round it apart). Measured fit: the module docstring.
+    """The scale of the KL that rounding adds at each token, in eps^2, from the distribution the token was drawn from:
+    the decoder layers times its varentropy (each layer perturbs the hidden state, and the varentropy is how much a
+    perturbation moves the distribution) plus KL_BOUND_WIDTH_COEF x (hidden size x its logits' root-mean-square
+    magnitude)^2 (the logits are rounded once, at the head, relative to their magnitude, and two kernels round a wide
+    model's apart more often). Measured fit: the module docstring.
 
-    >>> rounding_noise_scale(torch.tensor([0.5]), torch.tensor([100.0]), 100)
-    tensor([0.5300])
+    >>> rounding_noise_scale(torch.tensor([0.5]), torch.tensor([100.0]), layers=8, hidden_size=100)
+    tensor([4.0600])
     """
-    return varentropy_B_C + KL_BOUND_WIDTH_COEF * hidden_size**2 * second_moment_B_C
+    return layers * varentropy_B_C + KL_BOUND_WIDTH_COEF * hidden_size**2 * second_moment_B_C
 
 
 def first_update_tolerance(
     cfg: TrainingConfig,
     dtype: torch.dtype,
-    layers: int = 1,
     noise_scale: float = 0.0,
     tokens: float = 1.0,
     floor_eps2: float = KL_BOUND_FLOOR_EPS2,
@@ -291,22 +294,22 @@ def first_update_tolerance(
 ) -> float:
     """The largest KL(sampler || trainer) the first update accepts on one item of a gate (a token; a sequence) of
     `tokens` trained tokens whose `rounding_noise_scale` sums to `noise_scale`: the configured bound per token times
-    the tokens, else eps^2 of the dtype the model computes in x its decoder layers x the noise scale, at least
+    the tokens, else eps^2 of the dtype the model computes in x the noise scale, at least
     `floor_eps2` eps^2 and KL_BOUND_FLOOR; KL_BOUND_OTHER_ENGINE_FACTOR times that for `other_engine` (a sampler
     that is not the trainer's own model, as vLLM).
 
     >>> first_update_tolerance(TrainingConfig(), torch.bfloat16)  # the floor: one eps^2
     6.103515625e-05
-    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=2.0)  # 72 eps^2
+    >>> first_update_tolerance(TrainingConfig(), torch.bfloat16, noise_scale=72.0)  # 72 eps^2
     0.00439453125
-    >>> first_update_tolerance(TrainingConfig(), torch.float32, layers=36, noise_scale=2.0)
+    >>> first_update_tolerance(TrainingConfig(), torch.float32, noise_scale=72.0)
     1e-06
     """
     if cfg.first_update_kl_tolerance is not None:
         return cfg.first_update_kl_tolerance * tokens
     eps2 = torch.finfo(dtype).eps ** 2
     factor = KL_BOUND_OTHER_ENGINE_FACTOR if other_engine else 1.0
-    return max(factor * max(floor_eps2, layers * noise_scale) * eps2, KL_BOUND_FLOOR)
+    return max(factor * max(floor_eps2, noise_scale) * eps2, KL_BOUND_FLOOR)
 
 
 def informative_rows(group_ids: Sequence[str], advantages: Sequence[float]) -> tuple[list[int], int]:
@@ -390,7 +393,9 @@ def micro_batch_forward(
             processed_B_C_V = sampled_with.process(logits_B_C_V.detach())
             varentropy_B_C = varentropy(torch.log_softmax(processed_B_C_V, dim=-1))
             second_moment_B_C = logit_second_moment(processed_B_C_V)
-            noise_scale_B_C = rounding_noise_scale(varentropy_B_C, second_moment_B_C, policy.hidden_size)
+            noise_scale_B_C = rounding_noise_scale(
+                varentropy_B_C, second_moment_B_C, policy.decoder_layers, policy.hidden_size
+            )
             del processed_B_C_V
     return MicroBatchForward(
         logprobs_B_C_V, logprobs_B_C, sample_B_C, advantages_B, mask_B_C, varentropy_B_C, noise_scale_B_C
@@ -432,12 +437,12 @@ class GateSums:
     def value(self) -> float:
         return self.statistic / self.items if self.items else math.nan
 
-    def bound(self, cfg: TrainingConfig, dtype: torch.dtype, layers: int, other_engine: bool) -> float:
+    def bound(self, cfg: TrainingConfig, dtype: torch.dtype, other_engine: bool) -> float:
         if not self.items:
             return math.nan
         floor = KL_BOUND_FLOOR_EPS2 if self.gate in ("token", "sequence") else KL_BOUND_FEW_ITEMS_FLOOR_EPS2
         scale, tokens = self.noise_scale / self.items, self.tokens / self.items
-        return first_update_tolerance(cfg, dtype, layers, scale, tokens, floor, other_engine)
+        return first_update_tolerance(cfg, dtype, scale, tokens, floor, other_engine)
 
 
 def _gate_positions(span_lengths: Sequence[Sequence[int]], width: int) -> dict[str, torch.Tensor]:
@@ -550,9 +555,9 @@ class FirstUpdateDiagnostics:
             int(corrected_sequences),
         )
 
-    def bounds(self, cfg: TrainingConfig, dtype: torch.dtype, layers: int, sampler: str) -> dict[str, float]:
+    def bounds(self, cfg: TrainingConfig, dtype: torch.dtype, sampler: str) -> dict[str, float]:
         """Each gate's bound for this batch (NaN where the gate has no item); `sampler`: the engine that drew it."""
-        return {g: self.gates[g].bound(cfg, dtype, layers, sampler != "hf") for g in FIRST_UPDATE_GATES}
+        return {g: self.gates[g].bound(cfg, dtype, sampler != "hf") for g in FIRST_UPDATE_GATES}
 
     def check(self, bounds: dict[str, float], dtype: torch.dtype, layers: int) -> None:
         """Refuse the batch when the trainer does not see the distribution the tokens were sampled from: a gate's
@@ -690,7 +695,7 @@ def policy_gradient_step(
                     diagnostics = diagnostics.all_reduced(data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if diagnostics is not None:
-                bounds = diagnostics.bounds(cfg, policy.compute_dtype, layers, batch.sampler)
+                bounds = diagnostics.bounds(cfg, policy.compute_dtype, batch.sampler)
                 diagnostics.check(bounds, policy.compute_dtype, layers)
                 first = diagnostics.row(
                     loss_total, bounds, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"

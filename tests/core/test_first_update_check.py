@@ -189,31 +189,35 @@ def test_the_bound_is_the_samplers_a_trainer_side_temperature_does_not_raise_it(
     assert f"bound {correct.sampler_kl_tolerance:.1e}" not in str(inflated.value)
 
 
-def test_the_default_bound_follows_the_dtype_depth_and_noise_scale_and_a_set_one_wins():
+def test_the_default_bound_follows_the_dtype_and_noise_scale_and_a_set_one_wins():
     eps2 = 2.0**-14  # bfloat16
     assert first_update_tolerance(TrainingConfig(), torch.float32) == 1e-6
     assert first_update_tolerance(TrainingConfig(), torch.bfloat16) == pytest.approx(eps2)  # the floor: one eps^2
     assert first_update_tolerance(TrainingConfig(), torch.float16) == 1e-6  # its eps^2, 2^-20, is below the floor
-    # one eps^2 per layer and unit of the noise scale: linear in each
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=8, noise_scale=1.0) == 8 * eps2
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=1.0) == 36 * eps2
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=0.5) == 18 * eps2
-    # a peaked distribution (noise scale near 0) falls to the floor, not to 0
-    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, layers=36, noise_scale=1e-6) == eps2
-    assert first_update_tolerance(TrainingConfig(), torch.float32, layers=36, noise_scale=25.0) == 1e-6
+    # one eps^2 per unit of the noise scale
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, noise_scale=36.0) == 36 * eps2
+    # a peaked distribution (noise scale near 0) falls to the floor, not to 0; the one-token gates' floor is higher
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, noise_scale=1e-6) == eps2
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, noise_scale=1e-6, floor_eps2=32.0) == 32 * eps2
+    # another engine: 4x
+    assert first_update_tolerance(TrainingConfig(), torch.bfloat16, noise_scale=36.0, other_engine=True) == 144 * eps2
+    assert first_update_tolerance(TrainingConfig(), torch.float32, noise_scale=900.0) == 1e-6
     set_one = TrainingConfig(first_update_kl_tolerance=0.5)
     assert first_update_tolerance(set_one, torch.float32) == 0.5
-    assert first_update_tolerance(set_one, torch.bfloat16, layers=36, noise_scale=25.0) == 0.5
+    assert first_update_tolerance(set_one, torch.bfloat16, noise_scale=900.0, other_engine=True) == 0.5
     # a sequence of 100 tokens: the set bound per token times its tokens
-    assert first_update_tolerance(set_one, torch.bfloat16, layers=36, noise_scale=25.0, tokens=100) == 50.0
+    assert first_update_tolerance(set_one, torch.bfloat16, noise_scale=900.0, tokens=100) == 50.0
 
 
-def test_the_noise_scale_is_the_varentropy_plus_the_width_times_the_logits_magnitude_squared():
+def test_the_noise_scale_is_the_depth_times_the_varentropy_plus_the_width_times_the_logits_magnitude_squared():
     varentropy_B_C = torch.tensor([[0.5, 0.0]])
     second_moment_B_C = torch.tensor([[100.0, 400.0]])
-    scale = rounding_noise_scale(varentropy_B_C, second_moment_B_C, hidden_size=2560)
-    expected = varentropy_B_C + KL_BOUND_WIDTH_COEF * 2560**2 * second_moment_B_C
+    scale = rounding_noise_scale(varentropy_B_C, second_moment_B_C, layers=36, hidden_size=2560)
+    expected = 36 * varentropy_B_C + KL_BOUND_WIDTH_COEF * 2560**2 * second_moment_B_C
     assert torch.allclose(scale, expected)
+    # the varentropy term grows with the depth; the logits are rounded once, at the head: not with the depth
+    deeper = rounding_noise_scale(varentropy_B_C, second_moment_B_C, layers=72, hidden_size=2560)
+    assert torch.allclose(deeper - scale, 36 * varentropy_B_C)
     # the same logits at twice the width: the logit term four times
-    wider = rounding_noise_scale(varentropy_B_C, second_moment_B_C, hidden_size=5120) - varentropy_B_C
-    assert torch.allclose(wider, 4 * (scale - varentropy_B_C))
+    wider = rounding_noise_scale(varentropy_B_C, second_moment_B_C, layers=36, hidden_size=5120)
+    assert torch.allclose(wider - 36 * varentropy_B_C, 4 * (scale - 36 * varentropy_B_C))
