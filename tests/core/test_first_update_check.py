@@ -168,6 +168,19 @@ def test_a_turn_boundary_error_is_refused_at_the_turn_boundary_gate(trained_deep
     check_refused(policy, dataclasses.replace(dialogue, sample_logprobs=swapped), cfg, "dialogue", ("turn_boundary",))
 
 
+def test_an_error_of_one_sign_at_every_token_is_refused_summed_over_the_row(trained_deep_folder):
+    """Logprobs normalised over 2 % more mass than the sampler drew from (padding rows left in the softmax): every
+    recorded logprob log(1.02) = 0.02 nats low. Per token that is half the noise's bound; summed over a row it adds
+    up, where rounding noise grows only as the square root of the length."""
+    cfg = TrainingConfig()
+    policy = _policy(trained_deep_folder, 1.0)
+    batch = sampled_batch(policy)
+    check_margins(policy, batch, cfg, "trained_deep T=1.0")
+    low = [[lp - math.log(1.02) for lp in row] for row in batch.sample_logprobs]
+    measured = check_refused(policy, dataclasses.replace(batch, sample_logprobs=low), cfg, "2 % low", ("sequence",))
+    assert measured["token"] < 1  # the per-token mean alone would have trained on it
+
+
 def test_the_bound_is_the_samplers_a_trainer_side_temperature_does_not_raise_it(trained_deep_folder):
     """Self-inflation: a trainer that applies T = 0.7 to a batch drawn at T = 1 sharpens its own distribution; the
     bound is taken from the distribution the batch records, so it is the same as the correct run's."""
