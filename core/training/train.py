@@ -50,8 +50,10 @@ bound, which is what the gate is for.) A first prompt id lost on the way is 17 t
 model without it, at both temperatures, where the noise per unit of the bound differs 6x: no bound from the
 distribution holds both margins there. The ids are checked exactly instead (the sample stage stores the ids fed and
 drawn, the trainer packs exactly those). A sampler one update behind moves the distribution by one learning-rate step,
-as small as the noise: the adapter digest the engine serves under refuses it (tests/e2e/test_vllm_engine.py: an
-adapter the engine does not hold is refused).
+which can be as small as the noise: the engine serves each version's adapter under a digest of its weights and a
+response from another adapter is refused (tests/server/test_vllm_client.py: an adapter's name is a digest of its
+weights; tests/e2e/test_vllm_engine.py: an adapter the engine does not hold is refused); the in-process sampler is the
+trainer's own model, whose version `RunResources` tracks per role.
 
 Engine-mismatch corrections, for a sampler that is another engine (`training.mismatch_correction`,
 `core/training/loss.py: mismatch_weights`): the denominator of the ratio is the trainer's own logprobs at the sampling
