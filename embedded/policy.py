@@ -55,13 +55,11 @@ def pretrain_policy(
     recipe: Any,
     rng: random.Random,
     conversation: Callable[[random.Random], tuple[list[dict[str, str]], str]] | None = None,
-    layers: int = 2,
 ) -> Any:
     """A tiny Qwen3 pre-trained on chat-formatted toy conversations; loss on the assistant reply only.
 
     `conversation(rng)` samples one (messages, reply); the default is the red-team policy's toy chat
     (`sample_conversation`). `recipe` gives the steps, batch size and learning rate (`BuildRecipe`, `SafeRecipe`).
-    `layers`: decoder layers (the shipped builds have 2; deeper ones are built for tests of depth-dependent noise).
     """
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -78,7 +76,7 @@ def pretrain_policy(
         vocab_size=len(tokenizer),
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=layers,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,

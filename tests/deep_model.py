@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 from filelock import FileLock
@@ -55,6 +56,7 @@ def trained_deep_policy() -> Path:
 
 
 def _build(out_dir: Path) -> dict:
+    import transformers
     from transformers import AutoTokenizer
 
     from redteam_grpo.embedded import EMBEDDED_POLICY, resolve_model_path
@@ -63,9 +65,17 @@ def _build(out_dir: Path) -> dict:
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(EMBEDDED_POLICY))
-    with isolated_build():  # one thread, no progress bars, the caller's random state kept
+
+    def deep_config(**settings):  # the embedded build's config at LAYERS decoder layers
+        return qwen3_config(**{**settings, "num_hidden_layers": LAYERS})
+
+    # The embedded build's sources are pinned by the digest its shipped weights record (embedded/shipped.py), so the
+    # depth is set from here, on the config class pretrain_policy imports, rather than by a parameter of its own.
+    qwen3_config = transformers.Qwen3Config
+    with isolated_build(), mock.patch.object(transformers, "Qwen3Config", deep_config):
         torch.manual_seed(RECIPE.seed)
-        model = pretrain_policy(tokenizer, RECIPE, random.Random(RECIPE.seed), layers=LAYERS)
+        model = pretrain_policy(tokenizer, RECIPE, random.Random(RECIPE.seed))
+        assert model.config.num_hidden_layers == LAYERS
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     return {"recipe": asdict(RECIPE), "layers": LAYERS, "seconds": round(time.perf_counter() - started, 1)}

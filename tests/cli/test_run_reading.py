@@ -47,8 +47,10 @@ def test_inspect_prints_one_row_per_iteration(run_dir):
     code, out = _cli("inspect", run_dir)
     assert code == 0, out
     assert "run read-me: completed, 2 iterations completed" in out
-    lines = [line.split() for line in out.splitlines()]
-    assert [row[0] for row in lines if row and row[0].isdigit()] == ["0", "1"]
+    summary, check = out.split("first-update check")  # the metrics, then each gate of the check beside its bound
+    for table in (summary, check):
+        lines = [line.split() for line in table.splitlines()]
+        assert [row[0] for row in lines if row and row[0].isdigit()] == ["0", "1"]
 
 
 def test_inspect_sql_runs_over_the_views_and_writes_every_format(run_dir, tmp_path):
