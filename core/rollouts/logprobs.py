@@ -60,18 +60,19 @@ def varentropy(logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
     return ((probs * surprisal.square()).sum(-1) - mean_B_C.square()).clamp(min=0.0)
 
 
-def logit_second_moment(logits_B_C_V: torch.Tensor) -> torch.Tensor:
+def logit_second_moment(logits_B_C_V: torch.Tensor, logprobs_B_C_V: torch.Tensor) -> torch.Tensor:
     """E_{v~p}[z_v^2] of each position's processed logits z (the model's raw logits over the temperature; suppressed
-    tokens, at -inf, have p = 0), p their softmax: [B, C]. Not shift-invariant, as bfloat16 rounding is not: a logit's
-    rounding error is relative to its magnitude, so large logits on the drawn tokens round coarsely.
+    tokens, at -inf, have p = 0), p = exp(`logprobs_B_C_V`), their log-softmax: [B, C]. Not shift-invariant, as
+    bfloat16 rounding is not: a logit's rounding error is relative to its magnitude, so large logits on the drawn tokens
+    round coarsely.
 
-    >>> logit_second_moment(torch.tensor([[[3.0, float("-inf")]]]))
+    >>> z = torch.tensor([[[3.0, float("-inf")]]])
+    >>> logit_second_moment(z, torch.log_softmax(z, -1))
     tensor([[9.]])
     """
     finite = torch.isfinite(logits_B_C_V)
     values = torch.where(finite, logits_B_C_V.float(), torch.zeros((), device=logits_B_C_V.device))
-    probs = torch.softmax(logits_B_C_V.float(), dim=-1)
-    return (probs * values.square()).sum(-1)
+    return (logprobs_B_C_V.float().exp() * values.square()).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -393,12 +393,18 @@ def micro_batch_forward(
         with torch.no_grad():
             sampled_with = batch.sampled_with or policy.distribution
             processed_B_C_V = sampled_with.process(logits_B_C_V.detach())
-            varentropy_B_C = varentropy(torch.log_softmax(processed_B_C_V, dim=-1))
-            second_moment_B_C = logit_second_moment(processed_B_C_V)
+            # the trainer's own logprobs when it replays that distribution (one pass over the vocabulary less)
+            sampled_B_C_V = (
+                logprobs_B_C_V.detach()
+                if sampled_with == policy.distribution
+                else torch.log_softmax(processed_B_C_V, dim=-1)
+            )
+            varentropy_B_C = varentropy(sampled_B_C_V)
+            second_moment_B_C = logit_second_moment(processed_B_C_V, sampled_B_C_V)
             noise_scale_B_C = rounding_noise_scale(
                 varentropy_B_C, second_moment_B_C, policy.decoder_layers, policy.hidden_size
             )
-            del processed_B_C_V
+            del processed_B_C_V, sampled_B_C_V
     return MicroBatchForward(
         logprobs_B_C_V, logprobs_B_C, sample_B_C, advantages_B, mask_B_C, varentropy_B_C, noise_scale_B_C
     )
@@ -598,7 +604,7 @@ class FirstUpdateDiagnostics:
             gate_columns[f"sampler_kl_{gate}_bound"] = bounds[gate]
         return {
             "loss": loss,
-            "sampler_kl": self.sampler.kl,
+            "sampler_kl": self.gates["token"].value,  # what the check held against sampler_kl_tolerance
             "sampler_kl_tolerance": bounds["token"],
             **gate_columns,
             "varentropy": self.varentropy_sum / n_tokens,
