@@ -30,6 +30,7 @@ from redteam_grpo.core.training.train import (
 )
 from redteam_grpo.core.training.train import policy_gradient_step as step
 from tests.first_update import (
+    NOISE_MARGIN,
     check_margins,
     check_refused,
     drop_the_first_prompt_id,
@@ -82,12 +83,13 @@ def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(req
     other_temperature = 1.0 if temperature != 1.0 else 0.7
     weak = [] if model == "real_width_folder" else [drop_the_first_prompt_id]
     for misalign in weak:
-        # On the trained deep model a lost first prompt id moves the distribution by only ~20x the rounding noise, at
-        # both temperatures (KL 1.0e-3 against 5.1e-5 at T = 0.7, 2.1e-4 against 1.1e-5 at T = 1), while the noise per
-        # unit of the bound differs 6x between the two: no bound from the distribution is within 1/3 of both. It is
-        # real (asserted here: 10x the correct run's KL) and caught exactly where it happens instead: the ids are
-        # checked (tests/core/test_policy_invariants.py: the training forward sees exactly the ids the sampler fed
-        # and drew).
+        # On the trained deep model a lost first prompt id moves the distribution by only 7-20x the rounding noise
+        # (the model is built on each machine: KL 1.0e-3 against 5.1e-5 at T = 0.7 and 2.1e-4 against 1.1e-5 at T = 1
+        # on an Intel Xeon, 1.05e-4 against 1.39e-5 at T = 0.7 on an AMD EPYC), while the noise per unit of the bound
+        # differs 6x between the two temperatures: no bound from the distribution is within 1/3 of both. It is real
+        # (asserted here: NOISE_MARGIN = 3x the correct run's KL, 2.5x below the least measured) and caught exactly
+        # where it happens instead: the ids are checked (tests/core/test_policy_invariants.py: the training forward
+        # sees exactly the ids the sampler fed and drew).
         measured = TrainingConfig(first_update_kl_tolerance=1.0)
         before = {k: v.clone() for k, v in policy.adapter_state().items()}
         correct = step(policy, make_optimizer(policy, measured), batch, measured)
@@ -95,7 +97,7 @@ def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(req
         moved = step(policy, make_optimizer(policy, measured), misalign(policy, batch), measured)
         policy.load_adapter_state(before)
         print(f"{label} {misalign.__name__}: KL {moved.sampler_kl:.2e} against {correct.sampler_kl:.2e} correct")
-        assert moved.sampler_kl > 10 * correct.sampler_kl
+        assert moved.sampler_kl > NOISE_MARGIN * correct.sampler_kl
     for misalign, gates in [
         (shift_logprobs_one_token_late, ("token", "sequence")),
         *([(drop_the_first_prompt_id, ("token", "sequence"))] if not weak else []),
