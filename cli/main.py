@@ -28,6 +28,25 @@ SetOption = Annotated[
 ]
 
 
+@app.callback()
+def grant_options(
+    trust_remote_code: Annotated[
+        str | None,
+        typer.Option(
+            "--trust-remote-code",
+            metavar="NAME@COMMIT",
+            help="Let this one policy model run its own code (a hub repo's auto_map .py files), at this commit "
+            "(set model.revision to it), or a local FOLDER. Read the code first. Never taken from a config or a "
+            "run folder. Also REDTEAM_GRPO_TRUST_REMOTE_CODE.",
+        ),
+    ] = None,
+) -> None:
+    """GRPO red-teaming of language models, as Prefect stages over Parquet."""
+    if trust_remote_code:
+        # the environment carries the grant to this process's own workers (torchrun, Ray, a Prefect subprocess)
+        os.environ["REDTEAM_GRPO_TRUST_REMOTE_CODE"] = trust_remote_code
+
+
 def offline_environment(offline: bool) -> None:
     """No network outside loopback unless asked: hub look-ups and Prefect analytics off.
 

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from redteam_grpo.core.names import RULE, is_component
 from redteam_grpo.core.training.rewards import RewardWeights
 
 
@@ -62,8 +63,6 @@ class ModelConfig(_Section):
         "down_proj",
     ]
     """Module names that get LoRA adapters."""
-    trust_remote_code: bool = False
-    """Allow model code from the hub. Off: only architectures transformers ships are loaded."""
     quantization: Literal["none", "4bit"] = "none"
     """`4bit`: QLoRA. The frozen base is loaded in 4-bit NF4 with double quantization (bitsandbytes) and computes in
     model.dtype (use bfloat16); the LoRA adapters stay float32. Needs a CUDA GPU and `pip install bitsandbytes` (the
@@ -71,6 +70,23 @@ class ModelConfig(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel of the policy: `sdpa` (PyTorch's fused attention) works everywhere; `eager` is the plain
     reference; `flash_attention_2` needs the flash_attn package, a CUDA GPU and model.dtype bfloat16 or float16."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _remote_code_is_not_a_setting(cls, data: Any) -> Any:
+        # A config travels: run folders from others, deployment parameters. Model code may run only on a grant of
+        # the person at the command line (core/models/policy.py: remote_code_granted), never because a config
+        # says so. A stored `false` (runs of earlier versions record it) is dropped.
+        if isinstance(data, dict) and "trust_remote_code" in data:
+            value = data["trust_remote_code"]
+            if value not in (False, None) and str(value).strip().lower() not in ("false", "0", "no", ""):
+                raise ValueError(
+                    "model.trust_remote_code is not read from a config (a run folder or a deployment parameter "
+                    "could name code to run): remove it, and grant a model's own code on the command line "
+                    "(`redteam-grpo --trust-remote-code NAME@COMMIT ...`) or with REDTEAM_GRPO_TRUST_REMOTE_CODE"
+                )
+            data = {k: v for k, v in data.items() if k != "trust_remote_code"}
+        return data
 
 
 class SamplingConfig(_Section):
@@ -520,9 +536,18 @@ class RunConfig(_Section):
     answering an attacker's prompts, rewarded by a safety judge (`defense` section). Set by the command or flow
     (`run`, `sft`, `defense`), each with its own defaults (`redteam-grpo config show --mode defense`)."""
     name: str = "redteam"
-    """Run name; the run id is `<name>-<timestamp>` unless run_id is given."""
+    """Run name; the run id is `<name>-<timestamp>` unless run_id is given. One folder name (core/names.py)."""
     run_id: str | None = None
-    """Fixed run id (folder name under runs_dir)."""
+    """Fixed run id: the run's folder name under runs_dir (one folder name: letters, digits, '.', '_', '-')."""
+
+    @field_validator("name", "run_id")
+    @classmethod
+    def _one_folder_name(cls, value: str | None, info: Any) -> str | None:
+        # the run folder is runs_dir / run_id: a name with `..`, a `/` or an absolute path would put it elsewhere
+        if value is not None and not is_component(value):
+            raise ValueError(f"{value!r} must be one folder name ({RULE}), so that the run stays under run.runs_dir")
+        return value
+
     runs_dir: str = Field("runs", min_length=1)
     """Where run folders are created: a local folder, or a URL such as `s3://bucket/runs` (any fsspec file system
     whose driver is installed, e.g. s3fs; `file:///abs/path` takes the same code path on a local disk)."""

@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
             yield tmp
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+    tmp = _create_temporary(path)
     try:
         yield tmp
         with open(tmp, "rb") as handle:
@@ -42,13 +43,26 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def _create_temporary(path: Path) -> Path:
+    """A new, empty file beside `path` under an unpredictable name, created here (O_EXCL) and never through a link
+    (O_NOFOLLOW): a file or symlink planted under a name that could be guessed is never written through."""
+    for _ in range(8):
+        tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{path.name}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name beside the file", str(path))
+
+
 @contextlib.contextmanager
 def _remote_atomic_path(path: Path) -> Iterator[Path]:
     """A local temporary file; on success uploaded whole under a temporary name beside `path`, then moved over it."""
     with tempfile.TemporaryDirectory(prefix="redteam-grpo-") as folder:
         local = Path(folder) / path.name
         yield local
-        remote_tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{path.name}")
+        remote_tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{path.name}")
         try:
             upload(local, remote_tmp)
             move(remote_tmp, path)

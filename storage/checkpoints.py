@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from redteam_grpo.core.names import is_relative_name
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.location import local_copy, location
 
@@ -137,6 +138,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
     for name, digest in manifest.get("files", {}).items():
+        if not is_relative_name(name):  # core/names.py: a crafted manifest must not make us read outside the folder
+            raise CheckpointError(f"{path} names {name!r} as a checkpoint file, outside its folder: it is damaged")
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing from the checkpoint")

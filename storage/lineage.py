@@ -22,6 +22,7 @@ from pathlib import Path
 
 from redteam_grpo.core.config import DataConfig
 from redteam_grpo.core.data.sources import Prompt
+from redteam_grpo.core.names import is_component
 from redteam_grpo.core.training.stopping import REWARD_TARGET
 from redteam_grpo.storage.atomic import write_json_atomic
 from redteam_grpo.storage.location import location
@@ -52,9 +53,13 @@ def read_lineage(run: RunDir) -> LineageInfo | None:
     if not path.is_file():
         return None
     try:
-        return LineageInfo(**json.loads(path.read_text()))
+        record = LineageInfo(**json.loads(path.read_text()))
     except (json.JSONDecodeError, TypeError) as exc:
         raise RunDirError(f"{path} is not a valid lineage record: {exc}") from None
+    for name in (record.parent_run, record.parent_checkpoint):
+        if name is not None and not is_component(name):  # joined under runs_dir: it must stay there
+            raise RunDirError(f"{path} names the parent {name!r}, which is not one folder name: it is damaged")
+    return record
 
 
 def runs_in_lineage(runs_dir: Path, lineage: str) -> list[tuple[RunDir, LineageInfo]]:

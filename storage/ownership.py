@@ -98,6 +98,19 @@ class RunOwner:
             os.close(self._fd)  # closing the last descriptor releases the flock
 
 
+def _open_lock(root: Path, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+    """The run's owner.lock, opened without following a link: one planted there names the damage instead."""
+    try:
+        return os.open(root / OWNER_FILE, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise RunDirError(
+            f"{root / OWNER_FILE} is a symbolic link, not the run's lock file: someone else may have planted it. "
+            f"Remove the link (its target is left alone), then try again"
+        ) from None
+
+
 def _read_owner(fd: int) -> Owner | None:
     os.lseek(fd, 0, os.SEEK_SET)
     return Owner.parse(os.read(fd, 4096).decode(errors="replace"))
@@ -152,7 +165,7 @@ def refuse_if_owned(root: str | Path) -> None:
         _refuse_if_recorded(root)
         return
     try:
-        fd = os.open(root / OWNER_FILE, os.O_RDONLY)
+        fd = _open_lock(root, os.O_RDONLY)
     except FileNotFoundError:
         return
     _lock_or_refuse(fd, root)
@@ -167,7 +180,7 @@ def live_owner(root: str | Path) -> Owner | None:
         holder = _recorded_owner(root)
         return None if holder is None or holder.is_dead_here() else holder
     try:
-        fd = os.open(root / OWNER_FILE, os.O_RDONLY)
+        fd = _open_lock(root, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
@@ -202,7 +215,8 @@ def acquire(root: str | Path) -> RunOwner:
     if is_remote(root):  # no lock: the record alone
         previous, fd = _refuse_if_recorded(root), -1
     else:
-        fd = os.open(root / OWNER_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a symlink planted as owner.lock is refused, never followed and its target truncated
+        fd = _open_lock(root)
         _lock_or_refuse(fd, root)
         previous = _read_owner(fd)
     if previous is not None:

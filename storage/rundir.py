@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
+from redteam_grpo.core.names import is_component, is_relative_name
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.location import is_remote, location, version_of
@@ -164,6 +165,26 @@ def file_digest(path: Path) -> str | None:
     return _DIGESTS[key]
 
 
+_REMOTE_SAMPLER_DIRS: dict[str, Path] = {}  # a remote run's local adapter folder, per process
+
+
+def _check_names(manifest: dict[str, Any]) -> None:
+    """Every name the manifest records that becomes a path stays inside the run (core/names.py): a manifest that
+    names `../elsewhere` or `/etc/x` as a file, part or parent run is damaged (or crafted), never followed."""
+    records = list(manifest["stages"].values())
+    for shards in (manifest.get("shards") or {}).values():
+        records += list(shards.values()) if isinstance(shards, dict) else [shards]
+    for record in records:
+        if not isinstance(record, dict) or not isinstance(record.get("files", {}), dict):
+            raise ValueError(f"a stage record is not an object with a 'files' object: {str(record)[:80]}")
+        for name in [*record.get("files", {}), *(record.get("parts") or [])]:
+            if not is_relative_name(name):
+                raise ValueError(f"it names {name!r} as a file of the run, outside the run's folder")
+    for field in ("parent_run", "parent_checkpoint"):
+        if manifest.get(field) is not None and not is_component(manifest[field]):
+            raise ValueError(f"its {field} {manifest[field]!r} is not one folder name")
+
+
 def new_run_id(name: str) -> str:
     return f"{name}-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S-%f')}"
 
@@ -211,7 +232,12 @@ class RunDir:
         """sampling.backend=vllm: where adapters are exported for the server, which loads them from a local folder: the
         run's `sampler/` folder, or a local temporary folder for a run on object storage (they are derived data)."""
         if is_remote(self.root):
-            return Path(tempfile.gettempdir()) / "redteam-grpo-sampler" / self.run_id
+            # made here (mkdtemp: a new name, mode 0700), once per run and process: a guessable /tmp path could be
+            # planted by another user with weights of their own for the engine to load
+            key = str(self.root)
+            if key not in _REMOTE_SAMPLER_DIRS:
+                _REMOTE_SAMPLER_DIRS[key] = Path(tempfile.mkdtemp(prefix=f"redteam-grpo-sampler-{self.run_id}-"))
+            return _REMOTE_SAMPLER_DIRS[key]
         return self.root / SAMPLER_FOLDER
 
     def checkpoint_dir(self, version: int) -> Path:
@@ -429,6 +455,7 @@ class RunDir:
             data = json.loads(self.manifest_path.read_text())
             if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
                 raise ValueError("not an object with a 'stages' object")
+            _check_names(data)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
             raise DamagedRunError(
                 f"{self.manifest_path} is damaged ({exc}): it records which stages completed. Rebuild it from the "

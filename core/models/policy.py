@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,44 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+TRUST_REMOTE_CODE_ENV = "REDTEAM_GRPO_TRUST_REMOTE_CODE"
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def remote_code_granted(cfg: ModelConfig) -> bool:
+    """Whether the policy's own model code (a hub repo's `auto_map` .py files) may run: only when the person at the
+    command line granted exactly this model, as `--trust-remote-code NAME@COMMIT` or REDTEAM_GRPO_TRUST_REMOTE_CODE,
+    and model.revision pins that commit (a branch can be moved to other code after the grant). A local folder is
+    granted by its path (whoever can write the folder chooses its code). Never from a config: a run folder or a
+    deployment parameter names the model, not the permission. Any other model (a transfer target, a stored config
+    naming another folder) loads with the architectures transformers ships, or is refused."""
+    granted = os.environ.get(TRUST_REMOTE_CODE_ENV, "").strip()
+    if not granted:
+        return False
+    if Path(cfg.policy).expanduser().is_dir():
+        return Path(granted).expanduser().resolve() == Path(cfg.policy).expanduser().resolve()
+    name, _, commit = granted.rpartition("@")
+    if name != cfg.policy:
+        return False
+    if not _COMMIT.fullmatch(commit) or cfg.revision != commit:
+        raise PolicyError(
+            f"{TRUST_REMOTE_CODE_ENV}={granted} grants {cfg.policy}'s own code, but only at a pinned commit: grant "
+            f"NAME@COMMIT (40 hex digits) and set model.revision to the same commit (now {cfg.revision!r})"
+        )
+    return True
+
+
+def _refuse_remote_code(exc: Exception, cfg: ModelConfig) -> None:
+    """transformers refuses a model that needs its own code: say how to grant it, where it says to edit the call."""
+    if "trust_remote_code" in str(exc):
+        pin = "" if Path(cfg.policy).expanduser().is_dir() else "@COMMIT (and model.revision=COMMIT)"
+        raise PolicyError(
+            f"{cfg.policy} needs its own model code, which runs only when granted on the command line: "
+            f"`redteam-grpo --trust-remote-code {cfg.policy}{pin} ...` or {TRUST_REMOTE_CODE_ENV}. Read the code "
+            "first; a run folder or config from someone else never grants it"
+        ) from None
+
+
 def check_model_available(setting: str, name: str, revision: str | None = None) -> None:
     """Before any model loads: `name` (the value of `setting`) is an embedded model, an existing folder, or a hub id
     that can be loaded: online, or in the local Hugging Face cache. Otherwise one PolicyError naming the setting,
@@ -92,9 +131,13 @@ def check_model_available(setting: str, name: str, revision: str | None = None) 
 
 
 def load_tokenizer(cfg: ModelConfig) -> Any:
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolve_model_name(cfg.policy), revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_name(cfg.policy), revision=cfg.revision, trust_remote_code=remote_code_granted(cfg)
+        )
+    except ValueError as exc:
+        _refuse_remote_code(exc, cfg)
+        raise
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         # Masks come from lengths, so pad == eos is safe here; generate only needs some pad id.
@@ -222,16 +265,20 @@ def load_policy(cfg: ModelConfig, temperature: float, device: torch.device, seed
     attn = check_attn_implementation(cfg.attn_implementation, device, dtype)  # before any weight is loaded
     quantization = quantization_config(cfg.quantization, dtype, device)
     tokenizer = load_tokenizer(cfg)
-    base = AutoModelForCausalLM.from_pretrained(
-        resolve_model_name(cfg.policy),
-        revision=cfg.revision,
-        dtype=dtype,
-        trust_remote_code=cfg.trust_remote_code,
-        attn_implementation=attn,
-        quantization_config=quantization,
-        # a 4-bit model is quantized as it is placed: put it on the device while loading, never `.to()` it after
-        **({"device_map": {"": device}} if quantization is not None else {}),
-    )
+    try:
+        base = AutoModelForCausalLM.from_pretrained(
+            resolve_model_name(cfg.policy),
+            revision=cfg.revision,
+            dtype=dtype,
+            trust_remote_code=remote_code_granted(cfg),
+            attn_implementation=attn,
+            quantization_config=quantization,
+            # a 4-bit model is quantized as it is placed: put it on the device while loading, never `.to()` it after
+            **({"device_map": {"": device}} if quantization is not None else {}),
+        )
+    except ValueError as exc:
+        _refuse_remote_code(exc, cfg)
+        raise
     if quantization is None:
         base = base.to(device)
     present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}

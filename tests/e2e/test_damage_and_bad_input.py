@@ -5,10 +5,12 @@ input that fails its checks. Each case works on its own copy of one real two-ite
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from redteam_grpo.cli.main import app
@@ -257,3 +259,83 @@ def test_a_full_disk_is_one_line_and_leaves_every_file_whole(copy, monkeypatch):
     for path, content in before.items():
         assert path.read_bytes() == content, f"{path} changed"
     assert not [p for p in copy.root.rglob(".tmp-*")], "a temporary file was left behind"
+
+
+# -- a run folder from someone else never runs code -------------------------------------------------------------
+
+
+def _model_with_its_own_code(folder: Path, marker: Path) -> Path:
+    """A model folder as a hub repo with remote code ships it: the embedded policy's tokenizer, and a config whose
+    `auto_map` names a .py of the folder; importing that .py writes `marker`."""
+    from redteam_grpo.embedded import resolve_model_path
+
+    folder.mkdir()
+    for source in Path(resolve_model_path("embedded:tiny-qwen3")).iterdir():
+        if source.name.startswith("tokenizer") or source.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(source, folder / source.name)
+    (folder / "planted.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig, PreTrainedModel\n"
+        "class PlantedConfig(PretrainedConfig):\n    model_type = 'planted'\n"
+        "class PlantedModel(PreTrainedModel):\n    config_class = PlantedConfig\n"
+    )
+    config = {
+        "model_type": "planted",
+        "architectures": ["PlantedModel"],
+        "auto_map": {"AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedModel"},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("stored_grant", [True, None], ids=["config-sets-trust_remote_code", "config-names-the-model"])
+def test_a_run_folder_whose_config_names_model_code_never_runs_it(copy, tmp_path, stored_grant, monkeypatch):
+    """`infer`, `evaluate` and `--resume` read the run's stored config: a config that sets trust_remote_code (or
+    only names a model with code of its own) is refused, and the code never runs."""
+    monkeypatch.delenv("REDTEAM_GRPO_TRUST_REMOTE_CODE", raising=False)
+    marker = tmp_path / "code-ran"
+    planted = _model_with_its_own_code(tmp_path / "planted-model", marker)
+    stored = json.loads(copy.config_path.read_text())
+    stored["model"]["policy"] = str(planted)
+    if stored_grant is not None:
+        stored["model"]["trust_remote_code"] = stored_grant
+    copy.config_path.write_text(json.dumps(stored))
+    for args in (
+        ("infer", "--run", copy.root, "--prompt", "hi", "--max-new-tokens", "2"),
+        ("evaluate", copy.root, "--prompts", "1", "--samples", "1"),
+        ("run", "--resume", copy.root, "--set", "run.iterations=3"),
+    ):
+        code, out = _cli(*args)
+        assert not marker.exists(), f"{args[0]} ran the model's code: {out}"
+        _one_error_line(code, out, "--trust-remote-code")
+
+
+def test_a_models_own_code_runs_only_when_that_model_is_granted_on_the_command_line(tmp_path, monkeypatch):
+    from redteam_grpo.core.config import ModelConfig
+    from redteam_grpo.core.models.policy import PolicyError, load_tokenizer, remote_code_granted
+
+    marker = tmp_path / "code-ran"
+    planted = _model_with_its_own_code(tmp_path / "planted-model", marker)
+    cfg = ModelConfig(policy=str(planted))
+    monkeypatch.setenv("REDTEAM_GRPO_TRUST_REMOTE_CODE", str(tmp_path / "another-model"))
+    assert not remote_code_granted(cfg)
+    monkeypatch.setenv("REDTEAM_GRPO_TRUST_REMOTE_CODE", str(planted))
+    assert remote_code_granted(cfg)
+    hub = ModelConfig(policy="someone/model", revision="main")
+    monkeypatch.setenv("REDTEAM_GRPO_TRUST_REMOTE_CODE", "someone/model@main")
+    with pytest.raises(PolicyError, match="pinned commit"):
+        remote_code_granted(hub)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("REDTEAM_GRPO_TRUST_REMOTE_CODE", f"someone/model@{commit}")
+    assert remote_code_granted(hub.model_copy(update={"revision": commit}))
+    assert not remote_code_granted(ModelConfig(policy="someone/other", revision=commit))  # a transfer target
+    # the command line's grant reaches the loader: the model's code runs (and is then the model's business)
+    code, out = _cli("--trust-remote-code", str(planted), "config", "show")
+    assert code == 0, out
+    assert os.environ["REDTEAM_GRPO_TRUST_REMOTE_CODE"] == str(planted)
+    load_tokenizer(cfg)
+    with pytest.raises(Exception):  # noqa: B017  (the planted class cannot build a model: only its import matters)
+        from redteam_grpo.core.models.policy import load_policy
+
+        load_policy(cfg, 1.0, torch.device("cpu"), 0)
+    assert marker.exists()
