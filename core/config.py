@@ -498,6 +498,11 @@ class LoggingConfig(_Section):
     """Publish Prefect artifacts per iteration (metrics table, top examples, links to the Parquet files)."""
     artifact_top_k: int = Field(5, ge=0, le=100)
     """How many of the iteration's completions, by reward, the top-examples artifact shows."""
+    artifact_examples: Literal["local", "always", "never"] = "local"
+    """Where the top-examples artifact (harmful completions and the prompts that drew them) is published. `local`:
+    only to a Prefect API on this machine (the temporary one, or a server at a loopback address); to any other
+    (Prefect Cloud, a shared server) the metrics and file links are published without examples, and one line says
+    so. `always`: to whatever API the Prefect profile names. `never`: nowhere."""
 
 
 class RuntimeConfig(_Section):

@@ -75,7 +75,7 @@ def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]
     metrics = res.run.read(mode.metrics, iteration).to_pylist()[0]
     log.info(mode.describe(iteration, metrics))
     if mode.artifacts and cfg.logging.artifacts:
-        publish_iteration(run_dir, iteration, metrics, cfg.logging.artifact_top_k)
+        publish_iteration(run_dir, iteration, metrics, cfg.logging.artifact_top_k, cfg.logging.artifact_examples)
     return metrics
 
 

@@ -10,15 +10,19 @@ show nothing more in the UI.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import math
 import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pyarrow as pa
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 
 from redteam_grpo.core.metrics.registry import ITERATION, METRICS
 from redteam_grpo.core.rollouts.dialogue import POLICY_SPEAKER
@@ -87,7 +91,49 @@ def files_markdown(paths: list[Path]) -> str:
     return "\n".join(f"- [{p.name}]({uri(p)})" for p in paths if p.is_file())
 
 
-def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top_k: int) -> None:
+def prefect_api_is_local() -> bool:
+    """Whether artifacts stay on this machine: the temporary API Prefect starts (no PREFECT_API_URL), or a server at
+    a loopback address."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if not url:
+        return True
+    host = urlsplit(str(url)).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    try:
+        return get_run_logger()  # in the run's log, beside its other lines
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+_TOLD: set[str] = set()  # the runs whose log already says why their examples stay here
+
+
+def examples_may_be_published(setting: str, run_id: str) -> bool:
+    """logging.artifact_examples: harmful examples leave this machine only when the user asked for it."""
+    if setting == "never":
+        return False
+    if setting == "always" or prefect_api_is_local():
+        return True
+    if run_id not in _TOLD:
+        _TOLD.add(run_id)
+        _logger().warning(
+            "the top-examples artifact is not published: the Prefect API is not on this machine and the examples are "
+            "harmful text (set logging.artifact_examples=always to publish them there); metrics and file links are"
+        )
+    return False
+
+
+def publish_iteration(
+    run_dir: str, iteration: int, metrics: dict[str, Any], top_k: int, examples: str = "local"
+) -> None:
     run = RunDir.open(run_dir)
     rid = run.run_id
     create_table_artifact(
@@ -99,16 +145,17 @@ def publish_iteration(run_dir: str, iteration: int, metrics: dict[str, Any], top
         key=artifact_key(rid, "metrics"),
         description=f"Run {rid}, iteration {iteration}: metrics of the update",
     )
-    rollouts = run.read(SAMPLE, iteration)
-    scores = run.read(SCORE, iteration)
-    create_markdown_artifact(
-        examples_markdown(
-            f"Run {rid}, iteration {iteration}: top {top_k} completions by reward",
-            top_examples(rollouts, scores, top_k),
-        ),
-        key=artifact_key(rid, "top-examples"),
-        description=f"Run {rid}, iteration {iteration}: top adversarial examples (content warning)",
-    )
+    if examples_may_be_published(examples, rid):
+        rollouts = run.read(SAMPLE, iteration)
+        scores = run.read(SCORE, iteration)
+        create_markdown_artifact(
+            examples_markdown(
+                f"Run {rid}, iteration {iteration}: top {top_k} completions by reward",
+                top_examples(rollouts, scores, top_k),
+            ),
+            key=artifact_key(rid, "top-examples"),
+            description=f"Run {rid}, iteration {iteration}: top adversarial examples (content warning)",
+        )
     folder = run.iteration_dir(iteration)
     create_link_artifact(
         folder.resolve().as_uri(),

@@ -226,3 +226,24 @@ def test_model_text_in_the_examples_artifact_cannot_render_links_images_or_html(
     bare = re.sub(r"\\.", "", completion)  # drop every backslash-escaped character
     assert not set(bare) & set("![]()<>*`&|"), bare
     assert re.sub(r"\\(.)", r"\1", completion) == text  # and nothing else changed
+
+
+@pytest.mark.parametrize(
+    ("api_url", "setting", "published"),
+    [
+        (None, "local", True),  # the temporary API this process starts
+        ("http://127.0.0.1:4200/api", "local", True),
+        ("http://localhost:4200/api", "local", True),
+        ("https://api.prefect.cloud/api/accounts/a/workspaces/w", "local", False),
+        ("http://10.0.0.5:4200/api", "local", False),
+        ("https://api.prefect.cloud/api/accounts/a/workspaces/w", "always", True),
+        (None, "never", False),
+    ],
+)
+def test_harmful_examples_are_published_only_to_an_api_on_this_machine_unless_asked(api_url, setting, published):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from redteam_grpo.tasks.artifacts import examples_may_be_published
+
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        assert examples_may_be_published(setting, f"run-{setting}-{api_url}") is published
