@@ -32,9 +32,19 @@ def serve_reward(
     device: Annotated[str, typer.Option(help="auto | cpu | cuda.")] = "auto",
     max_batch: Annotated[int, typer.Option(help="Texts per model call that requests are batched up to.")] = 64,
     max_wait_ms: Annotated[float, typer.Option(help="How long a request waits to share a model call.")] = 5.0,
+    max_queued_texts: Annotated[
+        int, typer.Option(help="Texts waiting for the model, per endpoint (more: 503 with Retry-After).")
+    ] = 4096,
     max_texts: Annotated[int, typer.Option(help="Texts per request (more: 413).")] = 512,
     max_chars: Annotated[int, typer.Option(help="Characters per text (more: 422).")] = 20_000,
     max_body_bytes: Annotated[int, typer.Option(help="Request body bytes (more: 413).")] = 8 * 1024 * 1024,
+    ssl_certfile: Annotated[
+        Path | None,
+        typer.Option(
+            help="Serve HTTPS with this certificate (PEM; with --ssl-keyfile): the token is then not sent in clear."
+        ),
+    ] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option(help="The private key of --ssl-certfile (PEM).")] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error.")] = "info",
     verbose: VerboseOption = False,
 ) -> None:
@@ -68,12 +78,14 @@ def serve_reward(
             device=device,
             max_batch=max_batch,
             max_wait_ms=max_wait_ms,
+            max_queued_texts=max_queued_texts,
             max_texts=max_texts,
             max_chars=max_chars,
             max_body_bytes=max_body_bytes,
             token=Secrets().reward_token,
         )
         settings.check_exposure()
+        tls = tls_options(ssl_certfile, ssl_keyfile)
         preflight(cfg.reward)  # a wrong label or an unknown model fails here, before the port is bound
     except (ValueError, ScorerError, OSError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -82,7 +94,20 @@ def serve_reward(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch_device = resolve_device(device)
     app = create_app(settings, lambda: build_local_scoring(cfg.reward, torch_device, with_embedder=serve_embedder))
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), **tls)
+
+
+def tls_options(certfile: Path | None, keyfile: Path | None) -> dict[str, str]:
+    """uvicorn's TLS arguments: both files or neither, each readable."""
+    if (certfile is None) != (keyfile is None):
+        given, missing = ("--ssl-certfile", "--ssl-keyfile") if certfile else ("--ssl-keyfile", "--ssl-certfile")
+        raise ValueError(f"{given} needs {missing} too: HTTPS takes the certificate and its private key")
+    if certfile is None or keyfile is None:
+        return {}
+    for option, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not path.is_file():
+            raise ValueError(f"{option} {path}: no such file; give the PEM file's path")
+    return {"ssl_certfile": str(certfile), "ssl_keyfile": str(keyfile)}
 
 
 def serve_sampler(
@@ -97,7 +122,10 @@ def serve_sampler(
             help="The engine: the environment `install-sampler` made (a folder), or a `vllm` executable.",
         ),
     ] = str(DEFAULT_ENGINE_ENV),
-    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    host: Annotated[
+        str,
+        typer.Option(help="Interface to bind; beyond loopback an API key is required (REDTEAM_GRPO_SAMPLER_TOKEN)."),
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (sampling.vllm_url of the run).")] = 8100,
     kv_cache_gib: Annotated[
         int, typer.Option(help="CPU build only: memory for the KV cache, in GiB (VLLM_CPU_KVCACHE_SPACE).")
@@ -111,7 +139,9 @@ def serve_sampler(
 ) -> None:
     """Start a vLLM server for sampling.backend=vllm: the run's base model, LoRA loaded at runtime, logprobs of the
     distribution each token is drawn from. Set sampling.vllm_url=http://HOST:PORT in the run. The engine's
-    environment comes from `redteam-grpo install-sampler` (GPU or CPU build)."""
+    environment comes from `redteam-grpo install-sampler` (GPU or CPU build). REDTEAM_GRPO_SAMPLER_TOKEN, when set,
+    is the API key the engine requires and the runs' client sends; beyond loopback it is required (16 characters or
+    more): the engine loads any adapter folder it can read on request."""
     import os
     import shlex
     import shutil
@@ -120,12 +150,15 @@ def serve_sampler(
 
     from redteam_grpo.cli.main import _load, console
     from redteam_grpo.core.models.policy import resolve_model_name
-    from redteam_grpo.server.vllm_client import SamplerError, serve_command
+    from redteam_grpo.server.settings import SAMPLER_TOKEN_ENV, check_exposure, sampler_token
+    from redteam_grpo.server.vllm_client import SamplerError, serve_command, shown_command
     from redteam_grpo.server.vllm_env import EngineEnvError, resolve_engine
 
     cfg = _load(config, list(set_ or []))
     m = cfg.model
+    token = sampler_token()
     try:
+        check_exposure(host, token, SAMPLER_TOKEN_ENV)
         engine = resolve_engine(vllm)
         command, env = serve_command(
             engine,
@@ -139,11 +172,12 @@ def serve_sampler(
             cfg.run.seed,
             list(extra or []),
             kv_cache_gib,
+            api_key=token,
         )
-    except (SamplerError, EngineEnvError) as exc:
+    except (ValueError, SamplerError, EngineEnvError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(command)
+    shown = shown_command(command, env)
     if print_only:
         print(shown)
         return

@@ -929,3 +929,12 @@ class Secrets(BaseSettings):
     """HF_TOKEN: Hugging Face token for gated models (Llama Guard) when run.offline is false."""
     reward_token: SecretStr | None = Field(None, validation_alias="REDTEAM_GRPO_REWARD_TOKEN")
     """REDTEAM_GRPO_REWARD_TOKEN: bearer token of the reward server (the server requires it, the client sends it)."""
+    sampler_token: SecretStr | None = Field(None, validation_alias="REDTEAM_GRPO_SAMPLER_TOKEN")
+    """REDTEAM_GRPO_SAMPLER_TOKEN: the vLLM sampler's API key (`serve-sampler` starts the engine with it, the client
+    sends it as a bearer token). Required off loopback."""
+
+    @field_validator("reward_token", "sampler_token", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        # `export REDTEAM_GRPO_REWARD_TOKEN=` must not read as a token that every request without one matches
+        return None if isinstance(value, str) and not value.strip() else value

@@ -9,7 +9,9 @@ Models load in a background thread after start-up, so /health answers at once an
 work. Concurrent requests are micro-batched on the model (server/batching.py). Every response carries the
 scorer's name and revision and an `X-Request-ID` (the client's, or a new one), which the log lines carry too.
 Limits (texts per request, characters per text, body bytes) answer 413/422 with a message that names the
-limit; a bearer token, when configured, is compared in constant time.
+limit, and a full queue (texts waiting for the model) 503 with Retry-After. A bearer token, when configured, is
+compared in constant time; without it /ready says only whether the server is ready, not which models it loaded
+or why they failed. A server on loopback answers only requests addressed to a loopback name (server/limits.py).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from redteam_grpo.core.scoring.backend import ScoringBackend
 from redteam_grpo.core.scoring.scorers import Goal, ScorerError, conversation
-from redteam_grpo.server.batching import MicroBatcher
-from redteam_grpo.server.limits import BodyLimitMiddleware
-from redteam_grpo.server.settings import ServerSettings
+from redteam_grpo.server.batching import MicroBatcher, QueueFull
+from redteam_grpo.server.limits import BodyLimitMiddleware, LoopbackHostMiddleware
+from redteam_grpo.server.settings import REWARD_TOKEN_ENV, ServerSettings
 
 log = logging.getLogger("redteam_grpo.server")
 
@@ -109,22 +111,30 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: {"model": Problem, "description": "Missing or wrong bearer token."},
     409: {"model": Problem, "description": "This server has no embedder."},
     413: {"model": Problem, "description": "Too many texts or too large a body."},
+    421: {"model": Problem, "description": "A server on loopback was addressed by another name (Host header)."},
     422: {"model": Problem, "description": "Malformed request (the message names the field and the limit)."},
-    503: {"model": Problem, "description": "The models are still loading (retry), or failed to load."},
+    503: {
+        "model": Problem,
+        "description": "The models are still loading (retry), failed to load, or the queue is full (retry after "
+        "Retry-After seconds).",
+    },
 }
+QUEUE_FULL_RETRY_AFTER_S = 1  # a batch of the default size takes well under a second on the scorers served
 
 
 _bearer = HTTPBearer(auto_error=False)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+WRONG_TOKEN = f"missing or wrong bearer token (Authorization: Bearer ${REWARD_TOKEN_ENV})"
 
 
-def authorize(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+def authorize(request: Request, credentials: Credentials) -> None:
     """Require the configured bearer token, compared in constant time (no timing oracle on the token)."""
     token = request.app.state.settings.token
     if token is None:
         return
     given = credentials.credentials.encode() if credentials else b""
     if not secrets.compare_digest(given, token.get_secret_value().encode()):
-        raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer $REDTEAM_GRPO_REWARD_TOKEN)")
+        raise HTTPException(401, WRONG_TOKEN)
 
 
 @dataclass
@@ -141,14 +151,18 @@ class Service:
 
     def __post_init__(self) -> None:
         wait = self.settings.max_wait_ms / 1000
+        queued = self.settings.max_queued_texts
         self.score_batcher = MicroBatcher(
             lambda items: self.backend.score(
                 [c for c, _, _ in items], [p for _, p, _ in items], [g for _, _, g in items]
             ),
             self.settings.max_batch,
             wait,
+            queued,
         )
-        self.embed_batcher = MicroBatcher(lambda texts: list(self.backend.embed(texts)), self.settings.max_batch, wait)
+        self.embed_batcher = MicroBatcher(
+            lambda texts: list(self.backend.embed(texts)), self.settings.max_batch, wait, queued
+        )
 
     async def load(self) -> None:
         """Load the backend in a worker thread; a failure is kept for /ready, and the process stays up to say so."""
@@ -234,8 +248,21 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/ready", summary="The models are loaded; what they are and the request limits.", responses=ERROR_RESPONSES)
-async def ready(svc: ServiceDep) -> dict[str, Any]:
+@router.get(
+    "/ready",
+    summary="The models are loaded; with the bearer token (or on a server without one), what they are and the "
+    "request limits.",
+    responses=ERROR_RESPONSES,
+)
+async def ready(svc: ServiceDep, request: Request, credentials: Credentials) -> dict[str, Any]:
+    if svc.settings.token is not None and credentials is None:
+        # a probe without the token (a health check, a load balancer): ready or not, no model paths or load errors
+        if svc.backend is None:
+            raise HTTPException(
+                503, f"not ready; send the bearer token (Authorization: Bearer ${REWARD_TOKEN_ENV}) for why"
+            )
+        return {"ready": True}
+    authorize(request, credentials)  # a wrong token is refused, not answered as none
     backend, settings = svc.ready_backend(), svc.settings
     return {
         "ready": True,
@@ -248,10 +275,25 @@ async def ready(svc: ServiceDep) -> dict[str, Any]:
         "batching": {
             "max_batch": settings.max_batch,
             "max_wait_ms": settings.max_wait_ms,
+            "max_queued_texts": settings.max_queued_texts,
+            "queued_texts": svc.score_batcher.queued,
             "batches_run": svc.score_batcher.batches_run,
             "requests_served": svc.score_batcher.requests_served,
         },
     }
+
+
+async def submit(batcher: MicroBatcher, items: list[Any]) -> list[Any]:
+    """The batcher's results, or 503 with Retry-After when its queue is full (the client retries it)."""
+    try:
+        return await batcher.submit(items)
+    except QueueFull as exc:
+        raise HTTPException(
+            503,
+            f"{exc}: retry after {QUEUE_FULL_RETRY_AFTER_S} s, or spread the load over replicas (reward.url as a "
+            "list) or raise --max-queued-texts",
+            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+        ) from None
 
 
 @router.post("/score", response_model=ScoreResponse, responses=ERROR_RESPONSES, dependencies=[Depends(authorize)])
@@ -260,7 +302,7 @@ async def score(body: ScoreRequest, request: Request, svc: ServiceDep) -> ScoreR
     svc.check_texts(body.texts, "texts")
     contexts = svc.contexts(body)
     goals = svc.goals(body)
-    scores = await svc.score_batcher.submit(list(zip(body.texts, contexts, goals, strict=True)))
+    scores = await submit(svc.score_batcher, list(zip(body.texts, contexts, goals, strict=True)))
     return ScoreResponse(
         results=[
             TextResult(score=s.harm, categories=list(s.categories), refusal=s.refusal, truncated=s.truncated)
@@ -277,7 +319,7 @@ async def embed(body: EmbedRequest, request: Request, svc: ServiceDep) -> EmbedR
     if info is None:
         raise HTTPException(409, "this server has no embedder: start it with --embedder to serve novelty")
     svc.check_texts(body.texts, "texts")
-    rows = await svc.embed_batcher.submit(body.texts)
+    rows = await submit(svc.embed_batcher, body.texts)
     return EmbedResponse(
         embeddings=[[float(x) for x in row.tolist()] for row in rows],
         embedder=ModelInfoOut(**info.__dict__),
@@ -316,7 +358,9 @@ async def lifespan(app: FastAPI):
 
 
 def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBackend]) -> FastAPI:
-    """An app that loads its backend with `load_backend` in a worker thread once it starts."""
+    """An app that loads its backend with `load_backend` in a worker thread once it starts. Settings that bind beyond
+    loopback without a long enough token are refused (ValueError), as `serve-reward` refuses them."""
+    settings.check_exposure()
     app = FastAPI(
         title="redteam-grpo reward server",
         summary="Scores completions for red-team GRPO: harm probability, judge categories, refusal flag.",
@@ -326,6 +370,8 @@ def create_app(settings: ServerSettings, load_backend: Callable[[], ScoringBacke
     app.state.settings = settings  # read by `authorize`
     app.state.service = Service(settings, load_backend)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.on_loopback:  # outside the body check, inside the request log: a refused request is logged
+        app.add_middleware(LoopbackHostMiddleware)
     app.middleware("http")(request_id)
     app.include_router(router)
     return app

@@ -3,7 +3,9 @@
 A request's items wait at most `max_wait_s` for company; a batch closes as soon as it holds `max_batch`
 items. The model runs in one worker thread, so the event loop keeps accepting requests while it computes
 and calls never overlap on the model. A request is never split: a request of more than `max_batch` items
-makes a batch of its own (the scorer slices it into forward passes itself).
+makes a batch of its own (the scorer slices it into forward passes itself). The items waiting for (or in) a model
+call are bounded by `max_queued`: a request that would go beyond is refused (`QueueFull`) rather than held in
+memory for ever while the model falls behind; a request alone in the queue is always taken, whatever its size.
 
 Written here because no maintained library does this for a plain asyncio service without a framework of its
 own (Ray Serve's `@serve.batch` needs Ray).
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class QueueFull(RuntimeError):
+    """The batcher holds as many items as it may; the message says how many."""
+
+
 @dataclass
 class _Pending:
     items: Sequence[Any]
@@ -26,10 +32,18 @@ class _Pending:
 
 
 class MicroBatcher:
-    def __init__(self, run_batch: Callable[[list[Any]], list[Any]], max_batch: int, max_wait_s: float) -> None:
-        if max_batch < 1 or max_wait_s < 0:
-            raise ValueError("max_batch must be >= 1 and max_wait_s >= 0")
+    def __init__(
+        self,
+        run_batch: Callable[[list[Any]], list[Any]],
+        max_batch: int,
+        max_wait_s: float,
+        max_queued: int | None = None,
+    ) -> None:
+        if max_batch < 1 or max_wait_s < 0 or (max_queued is not None and max_queued < 1):
+            raise ValueError("max_batch must be >= 1, max_wait_s >= 0 and max_queued >= 1 (or None: unbounded)")
         self.run_batch, self.max_batch, self.max_wait_s = run_batch, max_batch, max_wait_s
+        self.max_queued = max_queued
+        self.queued = 0  # items submitted and not yet answered: waiting, carried over or in the model call
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task | None = None
         self._carry: _Pending | None = None  # did not fit the last batch: first in the next one
@@ -52,9 +66,18 @@ class MicroBatcher:
         """The results for `items`, in order, computed together with whatever else is queued."""
         if self._queue is None:
             raise RuntimeError("MicroBatcher.start() was not awaited")
+        if self.max_queued is not None and self.queued and self.queued + len(items) > self.max_queued:
+            raise QueueFull(
+                f"{self.queued} texts are waiting for the model and this request brings {len(items)}; the limit is "
+                f"{self.max_queued} (--max-queued-texts)"
+            )
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(items, future))
-        return await future
+        self.queued += len(items)
+        try:
+            await self._queue.put(_Pending(items, future))
+            return await future
+        finally:  # answered, failed, or its client hung up (cancelled): no longer held
+            self.queued -= len(items)
 
     async def _collect(self) -> list[_Pending]:
         assert self._queue is not None

@@ -13,6 +13,9 @@
   and embedder) the run config names: a run never mixes scores of two models silently. Every response's
   scorer name and revision is checked against that first answer too (a server restarted with another model).
 - Splits large batches to stay under the server's advertised limits.
+- Sends the bearer token (REDTEAM_GRPO_REWARD_TOKEN; an empty one is none) on every request, and warns once per
+  server when that is over plain http to another machine, where anyone on the path can read it: serve that replica
+  with `serve-reward --ssl-certfile ... --ssl-keyfile ...` and give its https:// URL.
 
 The retry loop is the one of `server/retry.py`, shared with the vLLM sampler's client.
 """
@@ -34,6 +37,7 @@ from redteam_grpo.core.config import RewardConfig
 from redteam_grpo.core.scoring.backend import ServiceInfo
 from redteam_grpo.core.scoring.scorers import Context, Goal, ModelInfo, TextScore
 from redteam_grpo.server.retry import RETRIED_STATUS, RetriesExhausted, send_with_retries
+from redteam_grpo.server.settings import no_empty_token, warn_token_in_clear
 
 log = logging.getLogger("redteam_grpo.reward_client")
 
@@ -63,7 +67,8 @@ class RewardClient:
     ) -> None:
         self.url = url.rstrip("/")
         self.retries, self.backoff_s, self.timeout_s = retries, backoff_s, timeout_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.token = no_empty_token(token)
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers, transport=transport)
         self.get_logger = get_logger or (lambda: log)  # called per message: a Prefect run logger is per task run
         self._ready: dict[str, Any] | None = None
@@ -81,6 +86,10 @@ class RewardClient:
         """The JSON body of a 2xx answer, after retries (server/retry.py). `retry_status(response)` False on a
         retried status: return None (the caller polls instead)."""
         request_id = uuid.uuid4().hex  # one id for every attempt: the server's log lines carry it
+        if self.token:
+            warn_token_in_clear(
+                self.url, self.get_logger(), "reward server", "serve-reward --ssl-certfile/--ssl-keyfile"
+            )
 
         def on_retry(retry: int, delay: float, last: str) -> None:
             self.get_logger().warning(

@@ -1,4 +1,5 @@
-"""Request-body checks that must run before FastAPI parses the body: size (413), UTF-8 and strict JSON (422).
+"""Request checks that must run before FastAPI parses the body: size (413), UTF-8 and strict JSON (422); and, on a
+server bound to loopback, that the request was addressed to a loopback name (421).
 
 FastAPI would read any body into memory and answer invalid UTF-8 with a generic 400; this middleware stops
 reading at the limit and names it, and names the byte at which the text stops being UTF-8.
@@ -9,6 +10,12 @@ floats, which the 422 that echoes them cannot encode (`allow_nan=False`); an esc
 (`"\\ud800"`) becomes a `str` that is not Unicode text, which the tokenizers refuse and a 422 that echoes
 it cannot encode as UTF-8. Each of those ended in a 500 and a reset connection, so they are refused here,
 with the place in the body that holds them.
+
+A server on loopback is out of other machines' reach, but not out of a browser's on the same machine: a web page
+whose own name its DNS server then resolves to 127.0.0.1 (DNS rebinding) may send requests to the port, with that
+name in the Host header. So a loopback server answers only requests addressed to localhost or a loopback address,
+with any port. Starlette's TrustedHostMiddleware compares names only, answers a bare "Invalid host header", and
+would need every address of 127.0.0.0/8 listed; this check takes any loopback address and says the way out.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import math
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from redteam_grpo.server.settings import REWARD_TOKEN_ENV, is_loopback
 
 
 async def _problem(send: Send, status: int, detail: str) -> None:
@@ -144,3 +153,35 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def host_name(header: str) -> str:
+    """The name or address of a Host header, without its port.
+
+    >>> host_name("localhost:50050"), host_name("[::1]:8080"), host_name("127.0.0.1"), host_name("::1")
+    ('localhost', '::1', '127.0.0.1', '::1')
+    """
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+class LoopbackHostMiddleware:
+    """Refuses (421) a request whose Host header is not localhost or a loopback address: see the module's docstring."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+            if not is_loopback(host_name(host)):
+                await _problem(
+                    send,
+                    421,
+                    f"this server listens on loopback and answers only requests addressed to localhost, 127.0.0.1 or "
+                    f"[::1] (any port), not to Host {_shown(host, 100)!r}: use one of those in the URL, or serve "
+                    f"other machines by binding beyond loopback with {REWARD_TOKEN_ENV} set",
+                )
+                return
+        await self.app(scope, receive, send)

@@ -16,11 +16,21 @@ runtime. It fills the rollouts contract of the in-process sampler (`core/rollout
 
 `redteam-grpo serve-sampler` starts a server with these settings. The client retries what waiting can fix
 (connection errors, 502/503/504) with the reward server's client's loop (`server/retry.py`).
+
+The server loads any adapter folder it can read on request (VLLM_ALLOW_RUNTIME_LORA_UPDATING), so it takes an API key,
+REDTEAM_GRPO_SAMPLER_TOKEN (required beyond loopback): `serve-sampler` hands it to the engine as VLLM_API_KEY, in the
+environment rather than on the command line, where any user of the machine could read it (`ps`); the client sends
+it as a bearer token on every request. vLLM itself requires the key only under /v1 and a few other prefixes, not on
+routes that sample (/invocations) or load adapters (/adapters): the engine also runs the middleware of
+`engine_guard/redteam_grpo_api_key_guard.py`, which requires it on every path but /health.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
+import shlex
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +40,10 @@ import httpx
 
 from redteam_grpo.core.rollouts.sampling import Completion
 from redteam_grpo.server.retry import RETRIED_ERRORS, RetriesExhausted, send_with_retries
+from redteam_grpo.server.settings import SAMPLER_TOKEN_ENV, no_empty_token, sampler_token, warn_token_in_clear
 from redteam_grpo.server.vllm_env import Engine
+
+log = logging.getLogger("redteam_grpo.vllm_client")
 
 ZERO_PROBABILITY = -9999.0  # vLLM's JSON for a logprob of -inf
 # The bias that suppresses a token: vLLM clamps logit_bias to [-100, 100]. A suppressed token keeps at most
@@ -42,6 +55,12 @@ PEFT_ADAPTER_FILE = "adapter_model.safetensors"  # in the folder PEFT's save_pre
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values `vllm serve --max-lora-rank` accepts
+API_KEY_ENV = "VLLM_API_KEY"  # the engine's API key, as its --api-key would set it
+# The key on every path of the engine, loaded by vLLM's --middleware from this folder (its module alone: nothing else
+# of this project can shadow the engine's own imports).
+ENGINE_GUARD_DIR = Path(__file__).resolve().parent / "engine_guard"
+ENGINE_GUARD = "redteam_grpo_api_key_guard.RequireApiKey"
+SECRET_ENV = {API_KEY_ENV: SAMPLER_TOKEN_ENV}  # shown by name, never by value
 
 
 def serve_command(
@@ -56,27 +75,41 @@ def serve_command(
     seed: int,
     extra: list[str],
     kv_cache_gib: int = 4,
+    api_key: str | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The command line (and its environment) of a vLLM server that samples as this project's client expects: LoRA
     loaded at runtime, logprobs of the distribution drawn from (after temperature and the token mask), none of the
-    model's own generation defaults. The CPU build also gets its platform, its KV cache size, no chunked prefill
-    and the allocator and OpenMP runtime its documentation asks to preload (server/vllm_env.py says why)."""
+    model's own generation defaults, and `api_key` (if any) required on its API, given in the environment: a
+    command line is readable by every user of the machine. The CPU build also gets its platform, its KV cache size,
+    no chunked prefill and the allocator and OpenMP runtime its documentation asks to preload (server/vllm_env.py
+    says why). Show the result with `shown_command`, which leaves the key out."""
     rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
     if rank is None:
         raise SamplerError(f"model.lora_rank={lora_rank} is above the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
     command = [*engine.launcher, model, "--host", host, "--port", str(port), "--dtype", dtype, "--seed", str(seed)]
     command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
     command += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
-    command += ["--max-model-len", str(max_model_len)]
+    command += ["--max-model-len", str(max_model_len), "--middleware", ENGINE_GUARD]
     if revision:
         command += ["--revision", revision]
-    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    guard_path = [str(ENGINE_GUARD_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "PYTHONPATH": os.pathsep.join(guard_path)}
+    if no_empty_token(api_key):
+        env[API_KEY_ENV] = api_key
     if engine.cpu:
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(2048, max_model_len))]
         env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
         if engine.preload:
             env["LD_PRELOAD"] = ":".join(engine.preload)
     return [*command, *extra], env
+
+
+def shown_command(command: list[str], env: dict[str, str]) -> str:
+    """The environment and command as a shell line to print or log: the API key by the variable it came from."""
+    shown_env = " ".join(
+        f"{k}=${SECRET_ENV[k]}" if k in SECRET_ENV else f"{k}={shlex.quote(v)}" for k, v in env.items()
+    )
+    return f"{shown_env} {shlex.join(command)}".lstrip()
 
 
 class SamplerError(RuntimeError):
@@ -97,16 +130,27 @@ class VllmSampler:
         retries: int = 4,
         backoff_s: float = 1.0,
         http: httpx.Client | None = None,  # another transport (tests: the stand-in served in-process)
+        token: str | None = None,
     ):
+        """`token`: the server's API key; None reads REDTEAM_GRPO_SAMPLER_TOKEN (environment or ./.env), "" is none."""
         self.url = url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         self.http = http or httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.token = sampler_token() if token is None else no_empty_token(token)
+        # on every request, whichever client sends it (one passed in as well)
+        self.headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.loaded: set[str] = set()
 
     def _post(self, path: str, payload: dict[str, Any]) -> httpx.Response:
-        """The first answer that is not retried (server/retry.py)."""
+        """The first answer that is not retried (server/retry.py); a refused key is an error that says so."""
+        if self.token:
+            warn_token_in_clear(
+                self.url, log, "the vLLM sampler", "serve-sampler ... -- --ssl-certfile CERT --ssl-keyfile KEY"
+            )
         try:
-            return send_with_retries(lambda: self.http.post(path, json=payload), self.retries, self.backoff_s)
+            response = send_with_retries(
+                lambda: self.http.post(path, json=payload, headers=self.headers), self.retries, self.backoff_s
+            )
         except RetriesExhausted as exc:
             raise SamplerError(
                 f"the vLLM sampler at {self.url} did not answer {path} ({exc.last}) after {self.retries} retries: "
@@ -117,13 +161,21 @@ class VllmSampler:
                 f"cannot send a request to the vLLM sampler at {self.url} ({type(exc).__name__}: {exc}); "
                 "check sampling.vllm_url"
             ) from None
+        if response.status_code == 401:
+            given = f"the key in {SAMPLER_TOKEN_ENV}" if self.token else f"no key ({SAMPLER_TOKEN_ENV} is not set)"
+            raise SamplerError(
+                f"the vLLM sampler at {self.url} refused {path} with HTTP 401: it requires an API key, and this client "
+                f"sent {given}. Set {SAMPLER_TOKEN_ENV} to the key the server was started with (serve-sampler reads "
+                "the same variable) and resume the run."
+            )
+        return response
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Wait for GET /health (the server refuses connections while it loads the model)."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if self.http.get("/health", timeout=5).status_code == 200:
+                if self.http.get("/health", timeout=5, headers=self.headers).status_code == 200:
                     return
             except RETRIED_ERRORS:
                 pass

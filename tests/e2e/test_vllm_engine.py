@@ -70,10 +70,11 @@ def engine_env() -> Path:
 
 class Engine:
     """`redteam-grpo serve-sampler` on an embedded policy (the attack default unless named) in bfloat16, on a free
-    loopback port."""
+    loopback port; with `token`, as REDTEAM_GRPO_SAMPLER_TOKEN, its API key."""
 
-    def __init__(self, env: Path, log: Path, policy: str | None = None):
+    def __init__(self, env: Path, log: Path, policy: str | None = None, token: str | None = None):
         self.env, self.log, self.port, self.policy = env, log, _free_port(), policy
+        self.token = token
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -89,6 +90,7 @@ class Engine:
                     *(["--set", f"model.policy={self.policy}"] * bool(self.policy)),
                 ],
                 cwd=ROOT,
+                env={**os.environ, **({"REDTEAM_GRPO_SAMPLER_TOKEN": self.token} if self.token else {})},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -290,6 +292,32 @@ def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
         sampler.sample("never-loaded", [[1, 2, 3]], 2, 4, 1.0, 0, [2], [])
 
 
+def test_an_engine_with_a_key_refuses_every_request_without_it_and_the_key_is_in_no_command_line(tmp_path, engine_env):
+    # the engine loads any adapter folder it can read on request: without the key, nothing of its API may answer
+    key = "sampler-key-" + "x" * 20
+    served = Engine(engine_env, tmp_path / "engine.log", token=key).start()
+    try:
+        adapter = {"lora_name": "stranger", "lora_path": str(tmp_path)}
+        base = resolve_model_name(ModelConfig().policy)
+        refused = {
+            "/v1/completions": httpx.post(served.url + "/v1/completions", json={"model": base, "prompt": [[1, 2]]}),
+            "/v1/load_lora_adapter": httpx.post(served.url + "/v1/load_lora_adapter", json=adapter),
+            "/adapters": httpx.post(served.url + "/adapters", json={"name": "stranger", "src": str(tmp_path)}),
+            "/invocations": httpx.post(served.url + "/invocations", json={"model": base, "prompt": [[1, 2]]}),
+        }
+        assert {path: r.status_code for path, r in refused.items()} == dict.fromkeys(refused, 401), {
+            path: r.text[:200] for path, r in refused.items()
+        }
+        with pytest.raises(SamplerError, match="REDTEAM_GRPO_SAMPLER_TOKEN"):
+            VllmSampler(served.url, retries=0, token="").sample(base, [[1, 2, 3]], 1, 2, 1.0, 0, [2], [])
+        assert len(VllmSampler(served.url, retries=0, token=key).sample(base, [[1, 2, 3]], 2, 2, 1.0, 0, [2], [])) == 2
+        # the engine's processes are up, and `ps` shows the key in none of them (nor anywhere else)
+        assert served.proc.pid in _engine_processes(served.proc.pid, served.port)
+        assert not [pid for pid, line in _command_lines().items() if key.encode() in line]
+    finally:
+        served.stop()
+
+
 def test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_lives_on(engine):
     # 40 prompts x 64 ids = 2,560 prompt tokens, more than the 2,048 of one step: with chunked prefill a seeded prompt
     # would be split over two steps and the CPU engine would die ("CPU Generator does not use offset")
@@ -449,6 +477,16 @@ def _engine_processes(session: int, port: int) -> dict[int, str]:
         names_port = (b"--port", str(port).encode()) in itertools.pairwise(argv)
         if state != "Z" and (int(sid) == session or names_port):
             found[int(entry.name)] = b" ".join(argv).decode(errors="replace")[:200]
+    return found
+
+
+def _command_lines() -> dict[int, bytes]:
+    """Every live process's command line, as `ps` shows it to any user."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # it has just exited
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
     return found
 
 

@@ -393,7 +393,7 @@ def test_the_reward_server_serves_the_judge_with_its_categories(judge: SafetyJud
 
     backend = LocalScoring(judge, RefusalDetector())
     texts, prompts = [MARKED[0], CLEAN[0]], ["Describe my boss."] * 2
-    with TestClient(create_app(ServerSettings(), lambda: backend)) as client:
+    with TestClient(create_app(ServerSettings(), lambda: backend), base_url="http://localhost") as client:
         for _ in range(200):
             if client.get("/ready").status_code == 200:
                 break

@@ -18,6 +18,8 @@ from redteam_grpo.server.app import create_app
 from redteam_grpo.server.settings import ServerSettings
 
 TEXTS = ["you are an idiot", "I'm sorry, but I can't help with that.", "the cat sat on the mat"]
+LOCAL = "http://localhost"  # a server on loopback answers only requests addressed to a loopback name
+TOKEN = "a-shared-secret-of-32-characters"
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +27,8 @@ def backend(embedded_assets):
     return build_local_scoring(RewardConfig(), torch.device("cpu"))
 
 
-def _client(backend, **settings) -> TestClient:
-    return TestClient(create_app(ServerSettings(**settings), lambda: backend))
+def _client(backend, base_url: str = LOCAL, **settings) -> TestClient:
+    return TestClient(create_app(ServerSettings(**settings), lambda: backend), base_url=base_url)
 
 
 def _wait_ready(client: TestClient) -> dict:
@@ -61,7 +63,7 @@ def test_health_answers_while_loading_and_ready_says_when_to_send_work(backend):
         release.wait(10)
         return backend
 
-    with TestClient(create_app(ServerSettings(), slow_load)) as client:
+    with TestClient(create_app(ServerSettings(), slow_load), base_url=LOCAL) as client:
         assert client.get("/health").json() == {"status": "ok"}
         assert client.get("/ready").status_code == 503
         loading = client.post("/score", json={"texts": ["x"]})
@@ -75,7 +77,7 @@ def test_a_failed_load_is_reported_by_ready_not_hidden():
     def broken():
         raise OSError("no such model: foo/bar")
 
-    with TestClient(create_app(ServerSettings(), broken)) as client:
+    with TestClient(create_app(ServerSettings(), broken), base_url=LOCAL) as client:
         for _ in range(100):
             response = client.get("/ready")
             if "failed" in response.text:
@@ -136,18 +138,149 @@ def test_a_configured_token_is_required_on_scoring_but_not_on_probes(backend):
         ("127.0.0.1", None, True),
         ("::1", None, True),
         ("localhost", None, True),
+        ("127.0.0.1", "", True),
         ("0.0.0.0", None, False),
         ("10.1.2.3", None, False),
-        ("0.0.0.0", "t", True),
+        ("0.0.0.0", "", False),  # an empty token is no token: it would let every request through
+        ("0.0.0.0", "   ", False),
+        ("0.0.0.0", "x" * 15, False),  # a short one can be guessed by whoever reaches the port
+        ("0.0.0.0", "x" * 16, True),
     ],
 )
-def test_binding_beyond_loopback_requires_a_token(host, token, ok):
-    settings = ServerSettings(host=host, token=SecretStr(token) if token else None)
+def test_binding_beyond_loopback_requires_a_token_of_16_characters(host, token, ok):
+    settings = ServerSettings(host=host, token=None if token is None else SecretStr(token))
     if ok:
         settings.check_exposure()
     else:
-        with pytest.raises(ValueError, match="REDTEAM_GRPO_REWARD_TOKEN"):
+        with pytest.raises(ValueError, match="REDTEAM_GRPO_REWARD_TOKEN") as err:
             settings.check_exposure()
+        assert "at least 16 characters" in str(err.value) or "at least 16" in str(err.value)
+        assert "bind to 127.0.0.1" in str(err.value)
+
+
+def test_an_empty_token_is_no_token_and_such_a_server_stays_on_loopback(backend):
+    empty = ServerSettings(token=SecretStr(""))
+    assert empty.token is None
+    with pytest.raises(ValueError, match="REDTEAM_GRPO_REWARD_TOKEN"):  # the app refuses what serve-reward refuses
+        create_app(ServerSettings(host="0.0.0.0", token=SecretStr("")), lambda: backend)
+    with _client(backend, token=SecretStr("")) as client:  # as a server without a token: open, on loopback only
+        ready = _wait_ready(client)
+        assert "service" in ready
+        assert client.post("/score", json={"texts": ["x"]}).status_code == 200
+    with _client(backend, token=SecretStr(TOKEN)) as client:
+        _wait_ready(client)
+        refused = client.post("/score", json={"texts": ["x"]})  # no Authorization header at all
+        assert refused.status_code == 401 and "REDTEAM_GRPO_REWARD_TOKEN" in refused.json()["detail"]
+        empty_bearer = client.post("/score", json={"texts": ["x"]}, headers={"Authorization": "Bearer "})
+        assert empty_bearer.status_code == 401
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_frees_as_the_model_catches_up():
+    """Requests that arrive faster than the model scores them wait in memory: past max_queued_texts, 503."""
+    from redteam_grpo.core.scoring.backend import LocalScoring
+    from redteam_grpo.core.scoring.refusal import RefusalDetector
+
+    scorer, release = _RecordingScorer(), threading.Event()
+
+    def slow(completions, prompts, goals=None):
+        release.wait(10)
+        return scorer(completions, prompts, goals)
+
+    slow.info = scorer.info
+    app = create_app(ServerSettings(max_queued_texts=4, max_wait_ms=0), lambda: LocalScoring(slow, RefusalDetector()))
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as client:
+                for _ in range(200):
+                    if (await client.get("/ready")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                held = [asyncio.create_task(client.post("/score", json={"texts": ["a", "b"]})) for _ in range(2)]
+                while app.state.service.score_batcher.queued < 4:  # both taken: the model holds the first
+                    await asyncio.sleep(0.01)
+                full = await client.post("/score", json={"texts": ["c"]})
+                ready = (await client.get("/ready")).json()
+                release.set()
+                answered = await asyncio.gather(*held)
+                after = await client.post("/score", json={"texts": ["c"]})
+        return full, ready, answered, after
+
+    full, ready, answered, after = asyncio.run(main())
+    assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
+    assert (
+        "4 texts are waiting for the model" in full.json()["detail"] and "--max-queued-texts" in full.json()["detail"]
+    )
+    assert ready["batching"]["queued_texts"] == 4 and ready["batching"]["max_queued_texts"] == 4
+    assert [r.status_code for r in answered] == [200, 200] and after.status_code == 200
+
+
+def test_ready_tells_a_caller_without_the_token_only_whether_the_server_is_ready():
+    """Model paths and load errors are for the token's holders; a health check still learns ready or not."""
+
+    def broken():
+        raise OSError("no such model: /srv/models/private-judge")
+
+    with TestClient(create_app(ServerSettings(token=SecretStr(TOKEN)), broken), base_url=LOCAL) as client:
+        for _ in range(100):
+            answer = client.get("/ready", headers={"Authorization": f"Bearer {TOKEN}"})
+            if "failed" in answer.text:
+                break
+            threading.Event().wait(0.02)
+        anonymous = client.get("/ready")
+        wrong = client.get("/ready", headers={"Authorization": "Bearer not-the-token-at-all"})
+    assert answer.status_code == 503 and "/srv/models/private-judge" in answer.json()["detail"]
+    assert anonymous.status_code == 503 and "private-judge" not in anonymous.text and "failed" not in anonymous.text
+    assert "not ready" in anonymous.json()["detail"]
+    assert wrong.status_code == 401 and "private-judge" not in wrong.text
+
+
+def test_ready_gives_its_details_with_the_token_and_a_bare_yes_without(backend):
+    with _client(backend, token=SecretStr(TOKEN)) as client:
+        for _ in range(200):
+            anonymous = client.get("/ready")
+            if anonymous.status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        detailed = client.get("/ready", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert anonymous.json() == {"ready": True}
+    assert detailed.json()["service"]["scorer"]["name"] == "embedded:tiny-toxicity"
+    assert detailed.json()["limits"]["max_texts"] == 512
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("localhost", 200),
+        ("localhost:50050", 200),
+        ("127.0.0.1:8080", 200),
+        ("127.0.0.2", 200),
+        ("[::1]:50050", 200),
+        ("attacker.example", 421),  # a page whose name now resolves to 127.0.0.1 (DNS rebinding)
+        ("attacker.example:50050", 421),
+        ("127.0.0.1.attacker.example", 421),
+        ("", 421),
+    ],
+)
+def test_a_server_on_loopback_answers_only_requests_addressed_to_loopback(backend, host, status):
+    with _client(backend) as client:
+        _wait_ready(client)
+        response = client.post("/score", json={"texts": ["x"]}, headers={"host": host})
+        probe = client.get("/ready", headers={"host": host})
+    assert response.status_code == status and probe.status_code == status, response.text
+    if status == 421:
+        assert "localhost, 127.0.0.1 or [::1]" in response.json()["detail"]
+
+
+def test_a_server_beyond_loopback_takes_any_host_name_its_token_guards_it(backend):
+    with _client(backend, base_url="http://reward-server:50050", host="0.0.0.0", token=SecretStr(TOKEN)) as client:
+        for _ in range(200):
+            if client.get("/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        response = client.post("/score", json={"texts": ["x"]}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 200, response.text
 
 
 def test_concurrent_single_text_requests_are_micro_batched(backend):
@@ -157,7 +290,7 @@ def test_concurrent_single_text_requests_are_micro_batched(backend):
     async def main():
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as client:
                 for _ in range(200):
                     if (await client.get("/ready")).status_code == 200:
                         break

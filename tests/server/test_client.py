@@ -259,3 +259,61 @@ def test_reward_url_takes_a_list_of_replicas():
         RewardConfig(url=["http://a:1", "http://a:1"])
     with pytest.raises(ValueError, match="http://"):
         RewardConfig(url=["http://a:1", "a:2"])
+
+
+# -- the bearer token -------------------------------------------------------------------------------------------
+
+
+class AuthRecorder(FakeServer):
+    """A FakeServer that keeps the Authorization header of every request."""
+
+    def __init__(self):
+        super().__init__()
+        self.authorization: list[str | None] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.authorization.append(request.headers.get("authorization"))
+        return super().__call__(request)
+
+
+@pytest.mark.parametrize(("token", "header"), [("", None), (None, None), ("t" * 20, "Bearer " + "t" * 20)])
+def test_the_token_goes_on_every_request_and_an_empty_one_is_none(token, header):
+    server = AuthRecorder()
+    _client(server, token=token).score(["a"], ["p"])
+    assert server.authorization == [header, header]  # /ready and /score
+
+
+@pytest.fixture
+def warnings_of_a_new_process(monkeypatch, caplog):
+    """The warnings the clients give, as in a process that has given none yet (they are once per process)."""
+    import logging
+
+    from redteam_grpo.server import settings
+
+    monkeypatch.setattr(settings, "_warned_in_clear", set())
+    caplog.set_level(logging.WARNING)
+    return lambda: [r.getMessage() for r in caplog.records if "plain http" in r.getMessage()]
+
+
+def test_a_token_sent_over_plain_http_to_another_machine_is_warned_about_once(warnings_of_a_new_process):
+    for _ in range(2):  # a client per stage: one warning for the process
+        client = RewardClient("http://reward.test:50050", "t" * 20, transport=httpx.MockTransport(FakeServer()))
+        client.score(["a"], ["p"])
+        client.score(["b"], ["p"])
+    (warning,) = warnings_of_a_new_process()
+    assert "http://reward.test:50050" in warning and "--ssl-certfile" in warning and "https://" in warning
+
+
+@pytest.mark.parametrize(
+    ("url", "token"),
+    [
+        ("https://reward.test:50050", "t" * 20),  # encrypted
+        ("http://127.0.0.1:50050", "t" * 20),  # never leaves the machine
+        ("http://localhost:50050", "t" * 20),
+        ("http://[::1]:50050", "t" * 20),
+        ("http://reward.test:50050", None),  # nothing to read
+    ],
+)
+def test_no_warning_where_no_token_crosses_the_network_in_clear(warnings_of_a_new_process, url, token):
+    RewardClient(url, token, transport=httpx.MockTransport(FakeServer())).score(["a"], ["p"])
+    assert warnings_of_a_new_process() == []

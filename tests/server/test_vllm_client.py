@@ -130,3 +130,61 @@ def test_an_adapters_name_is_a_digest_of_its_weights(tiny_policy, tmp_path):
     # the same version redone with other weights gets another name: the server's cache never serves the old ones
     assert adapter_name("run", 0, tmp_path / "same" / PEFT_ADAPTER_FILE) == first
     assert adapter_name("run", 0, tmp_path / "moved" / PEFT_ADAPTER_FILE) != first
+
+
+KEY = "sampler-key-of-32-characters-xyz"
+
+
+class KeyRecorder:
+    """Answers what the client asks of a vLLM server, and keeps each request's path and Authorization header."""
+
+    def __init__(self, status: int = 200):
+        self.status = status
+        self.seen: list[tuple[str, str | None]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append((request.url.path, request.headers.get("authorization")))
+        if self.status != 200:
+            return httpx.Response(self.status, json={"error": "Unauthorized"})
+        if request.url.path == "/v1/completions":
+            return httpx.Response(200, json={"model": "a", "choices": [_choice(0, [5, 9], [-1.0, -1.0], "stop")]})
+        return httpx.Response(200, text="ok")
+
+
+def _recording(server: KeyRecorder) -> httpx.Client:
+    return httpx.Client(base_url="http://sampler", transport=httpx.MockTransport(server))
+
+
+def _every_request(client: VllmSampler, folder) -> None:
+    client.wait_ready(timeout_s=1)
+    client.load_adapter("a", folder)
+    client.sample("a", [[1, 2]], 1, 3, 1.0, 0, [9], [7])
+    client.unload_adapter("a")
+
+
+def test_the_client_sends_the_api_key_on_every_request(tmp_path, monkeypatch):
+    monkeypatch.delenv("REDTEAM_GRPO_SAMPLER_TOKEN", raising=False)
+    server = KeyRecorder()
+    _every_request(VllmSampler("http://sampler", http=_recording(server), token=KEY), tmp_path)
+    paths = ["/health", "/v1/load_lora_adapter", "/v1/completions", "/v1/unload_lora_adapter"]
+    assert server.seen == [(path, f"Bearer {KEY}") for path in paths]
+
+    monkeypatch.setenv("REDTEAM_GRPO_SAMPLER_TOKEN", KEY)  # as the runs' tasks build it: from the environment
+    from_environment = KeyRecorder()
+    _every_request(VllmSampler("http://sampler", http=_recording(from_environment)), tmp_path)
+    assert from_environment.seen == server.seen
+
+    monkeypatch.setenv("REDTEAM_GRPO_SAMPLER_TOKEN", "")  # empty: no key, not an empty one
+    without = KeyRecorder()
+    _every_request(VllmSampler("http://sampler", http=_recording(without)), tmp_path)
+    assert [header for _, header in without.seen] == [None] * 4
+
+
+@pytest.mark.parametrize(("token", "sent"), [(KEY, "the key in REDTEAM_GRPO_SAMPLER_TOKEN"), ("", "no key")])
+def test_a_refused_key_is_an_error_that_names_the_variable(tmp_path, token, sent):
+    client = VllmSampler("http://sampler", http=_recording(KeyRecorder(status=401)), token=token)
+    with pytest.raises(SamplerError, match="HTTP 401") as err:
+        client.load_adapter("a", tmp_path)
+    assert sent in str(err.value) and "Set REDTEAM_GRPO_SAMPLER_TOKEN to the key the server was started with" in str(
+        err.value
+    )

@@ -4,10 +4,11 @@ tests/e2e/test_vllm_engine.py)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from redteam_grpo.server.vllm_client import serve_command
+from redteam_grpo.server.vllm_client import ENGINE_GUARD, ENGINE_GUARD_DIR, serve_command, shown_command
 from redteam_grpo.server.vllm_env import (
     MARKER,
     Engine,
@@ -54,3 +55,62 @@ def test_install_puts_the_cpu_torch_first_and_removes_the_wheels_that_cannot_loa
     assert any("uninstall" in c and "torchvision" in c for c in steps[engine_step:])
     gpu = [" ".join(command) for _, command in install_steps(tmp_path, "cuda")]
     assert any(c.endswith("vllm==0.32.0") for c in gpu) and not any("uninstall" in c for c in gpu)
+
+
+KEY = "sampler-key-of-32-characters-xyz"
+
+
+def test_the_api_key_goes_to_the_engine_in_its_environment_never_on_its_command_line():
+    command, env = serve_command(
+        resolve_engine("vllm"), "MODEL", None, "bfloat16", 16, 4096, "0.0.0.0", 8100, 0, [], api_key=KEY
+    )
+    assert env["VLLM_API_KEY"] == KEY and KEY not in " ".join(command)  # `ps` shows a command line to every user
+    shown = shown_command(command, env)
+    assert KEY not in shown and "VLLM_API_KEY=$REDTEAM_GRPO_SAMPLER_TOKEN" in shown
+    # vLLM checks its key under /v1 only: the guard checks it on every path but /health
+    assert command[command.index("--middleware") + 1] == ENGINE_GUARD
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ENGINE_GUARD_DIR)
+    for none in (None, ""):
+        _, without = serve_command(
+            resolve_engine("vllm"), "MODEL", None, "bfloat16", 16, 4096, "127.0.0.1", 8100, 0, [], api_key=none
+        )
+        assert "VLLM_API_KEY" not in without
+
+
+@pytest.fixture
+def guarded(monkeypatch):
+    """An engine-like app (answers 200 on any path) behind the engine's API-key guard, as vLLM loads it."""
+    import importlib
+
+    from starlette.testclient import TestClient
+
+    monkeypatch.syspath_prepend(str(ENGINE_GUARD_DIR))
+    guard = importlib.import_module(ENGINE_GUARD.rpartition(".")[0])
+
+    async def engine(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"served"})
+
+    def client(key: str | None) -> TestClient:
+        if key is None:
+            monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_API_KEY", key)
+        return TestClient(getattr(guard, ENGINE_GUARD.rpartition(".")[2])(engine))
+
+    return client
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/invocations", "/adapters", "/v1/load_lora_adapter", "/tokenize", "/ping"]
+)
+def test_the_engine_s_guard_requires_the_key_on_every_path_but_health(guarded, path):
+    client = guarded(KEY)
+    assert client.post(path, json={}).status_code == 401
+    assert client.post(path, json={}, headers={"Authorization": "Bearer wrong-key"}).status_code == 401
+    refused = client.get(path)
+    assert refused.status_code == 401 and "REDTEAM_GRPO_SAMPLER_TOKEN" in refused.json()["error"]
+    assert client.post(path, json={}, headers={"Authorization": f"Bearer {KEY}"}).text == "served"
+    assert client.get("/health").text == "served"  # the probe that says the model is loaded
+    assert client.post("/health").status_code == 401
+    assert guarded(None).post(path, json={}).text == "served"  # no key set: as vLLM without one
