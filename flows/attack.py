@@ -44,6 +44,7 @@ from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import check_model_available, load_tokenizer
 from redteam_grpo.core.scoring.backend import preflight
 from redteam_grpo.core.training.stopping import early_stop
+from redteam_grpo.flows.deployment_guard import check_run_request, from_a_deployment
 from redteam_grpo.flows.runtime import check_runtime, gpu_slot, iteration_runner, ray_session
 from redteam_grpo.storage import checkpoints, interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
@@ -254,7 +255,10 @@ def run_mode(
     on_iteration: Any,
     redo: str | None,
 ) -> str:
-    """What every mode's run flow does: the config asked for, the run directory owned, its iterations run."""
+    """What every mode's run flow does: the config asked for, the run directory owned, its iterations run. A
+    deployment's caller asks for less than the command line (flows/deployment_guard.py)."""
+    if from_a_deployment():
+        check_run_request(config, config_path, overrides, resume, on_iteration)
     requested = requested_config(config, config_path, overrides, resume, mode)
     with owned_run(requested, resume, redo, mode) as run:
         return run_iterations(run, on_iteration)

@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow
 
 from redteam_grpo.core.evaluation import EvaluationOptions
+from redteam_grpo.flows.deployment_guard import check_evaluation_request, from_a_deployment
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.artifacts import publish_evaluation
@@ -30,6 +31,8 @@ def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: 
     capability retention (KL to the base on `benign`, perplexity of `retention`'s reference replies). A defense is
     flagged when its over-refusal exceeds the base's by more than `over_refusal_margin` or its perplexity the base's
     by more than the factor `perplexity_limit`. SFT runs are refused (their held-out loss is in their metrics)."""
+    if from_a_deployment():  # an evaluation writes into the run: one of the worker's runs folder
+        check_evaluation_request(run_dir)
     options = options or EvaluationOptions()
     evaluation = mode_of(RunDir.open(run_dir).stored_config()).evaluation
     summary = EVALUATIONS.get(evaluation, evaluate_checkpoint)(run_dir, options)  # red-team's refuses SFT runs

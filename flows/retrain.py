@@ -11,6 +11,7 @@ from prefect.runtime import flow_run
 
 from redteam_grpo.core.config import load_config, validate_config
 from redteam_grpo.flows.attack import attack_run
+from redteam_grpo.flows.deployment_guard import check_run_request, from_a_deployment
 from redteam_grpo.storage.rundir import RunDir
 
 
@@ -29,6 +30,8 @@ def retrain(lineage: str, config_path: str | None = None, overrides: list[str] |
 
     `config_path` is a YAML config (relative to the working directory), `overrides` are "key=value" settings.
     """
+    if from_a_deployment():  # the scheduled deployment's caller asks for less than the command line
+        check_run_request(None, config_path, overrides, None)
     raw = load_config(Path(config_path) if config_path else None, list(overrides or [])).model_dump(mode="json")
     raw["run"]["lineage"] = lineage  # as given: through a `key=value` override "null" or "2024" would be parsed
     if raw["run"]["run_id"] is None:

@@ -91,6 +91,8 @@ def prefect_server(tmp_path_factory, embedded_assets, prefect_database):
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_DATABASE_CONNECTION_URL": prefect_database,
+        # the worker lets these tests' callers put runs in their temporary folders (flows/deployment_guard.py)
+        "REDTEAM_GRPO_DEPLOYMENT_ALLOW": "run.runs_dir",
     }
     port = api.split(":")[-1].split("/")[0]
     log = (home / "server.log").open("w")
