@@ -175,6 +175,14 @@ def test_an_empty_token_is_no_token_and_such_a_server_stays_on_loopback(backend)
         assert empty_bearer.status_code == 401
 
 
+async def _when_ready(client: httpx.AsyncClient) -> None:
+    """Wait (up to 10 s) for the model to load, as a client polls /ready."""
+    for _ in range(200):
+        if (await client.get("/ready")).status_code == 200:
+            return
+        await asyncio.sleep(0.05)
+
+
 def test_a_full_queue_answers_503_with_retry_after_and_frees_as_the_model_catches_up():
     """Requests that arrive faster than the model scores them wait in memory: past max_queued_texts, 503."""
     from redteam_grpo.core.scoring.backend import LocalScoring
@@ -193,10 +201,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_frees_as_the_model_catche
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as client:
-                for _ in range(200):
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                    await asyncio.sleep(0.05)
+                await _when_ready(client)
                 held = [asyncio.create_task(client.post("/score", json={"texts": ["a", "b"]})) for _ in range(2)]
                 while app.state.service.score_batcher.queued < 4:  # both taken: the model holds the first
                     await asyncio.sleep(0.01)
@@ -291,10 +296,7 @@ def test_concurrent_single_text_requests_are_micro_batched(backend):
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as client:
-                for _ in range(200):
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                    await asyncio.sleep(0.05)
+                await _when_ready(client)
                 responses = await asyncio.gather(*(client.post("/score", json={"texts": [t]}) for t in texts))
                 ready = (await client.get("/ready")).json()
         return responses, ready
