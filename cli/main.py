@@ -143,6 +143,7 @@ def _train(
         # Fail before a Prefect API is started for nothing (`user_errors` prints the one line).
         stored = RunDir.open(resume).stored_config()
         ownership.refuse_if_owned(location(resume))  # the flow takes the lock; this only answers sooner
+        set_ = _without_a_stored_ray_cluster(stored, set_)
     # A resumed run's --config/--set change its stored config, never the defaults.
     cfg = _load(config, set_, stored, mode) if (config or set_ or stored is None) else None
     if push_to_hub and (cfg or stored).run.offline:
@@ -182,6 +183,22 @@ def _train(
         from redteam_grpo.cli.runs import push_newest
 
         push_newest(location(run_dir), push_to_hub)
+
+
+def _without_a_stored_ray_cluster(stored, set_: list[str] | None) -> list[str] | None:
+    """A resumed run goes back to a Ray cluster only when the command line names it again: Ray unpickles what a
+    cluster sends back, and the address in a run folder may have been written by someone else. Where the stages run
+    does not change their rows (runtime.shards does), so a local Ray instance computes the same."""
+    address = stored.runtime.ray_address
+    if address is None or any(s.strip().startswith("runtime.ray_address=") for s in set_ or []):
+        return set_
+    console.print(
+        f"the run was on the Ray cluster at {address}: it resumes on a local Ray instance unless you name the cluster "
+        f"again (--set runtime.ray_address={address})",
+        markup=False,
+        highlight=False,
+    )
+    return [*(set_ or []), "runtime.ray_address=null"]
 
 
 def _run_with_progress(cfg, resume: str | None, redo: str | None, stop, mode: str) -> tuple[str, list[dict]]:

@@ -25,6 +25,7 @@ from prefect.runtime import deployment
 
 from redteam_grpo.core.config import ConfigError, load_config
 from redteam_grpo.storage.location import location, same_place
+from redteam_grpo.storage.rundir import RunDir
 
 DENIED = ("run.runs_dir", "runtime.ray_address", "sampling.vllm_url", "reward.url", "model.trust_remote_code")
 ALLOW_ENV = "REDTEAM_GRPO_DEPLOYMENT_ALLOW"
@@ -104,6 +105,12 @@ def check_run_request(
     if resume is not None:
         runs_dir = load_config(Path(config_path) if config_path else None, list(overrides or [])).run.runs_dir
         _check_inside_runs(resume, runs_dir, "resume")
+        address = RunDir.open(resume).stored_config().runtime.ray_address
+        if address is not None and "runtime.ray_address" not in _listed(ALLOW_ENV):
+            raise ConfigError(
+                f"resume {resume}: the run names the Ray cluster {address}, which a deployment's caller may not "
+                f"choose; resume it from the command line (allow it on the worker: {ALLOW_ENV}=runtime.ray_address)"
+            )
 
 
 def check_evaluation_request(run_dir: str) -> None:

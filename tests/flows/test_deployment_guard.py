@@ -45,8 +45,18 @@ def test_a_config_file_outside_the_deployed_folder_is_refused(config_path):
 
 
 def test_a_run_of_the_runs_folder_is_resumed_and_one_elsewhere_is_not(tmp_path, monkeypatch):
+    from redteam_grpo.core.config import load_config
+    from redteam_grpo.storage.rundir import RunDir
+
     monkeypatch.chdir(tmp_path)
+    RunDir.create(load_config(None, ["run.run_id=mine"]))
     check_run_request(None, None, [*SMALL_RUN, "run.iterations=2"], str(tmp_path / "runs" / "mine"))
+    # a run of the folder that names a Ray cluster: its replies are unpickled, and the caller may not choose it
+    RunDir.create(
+        load_config(None, ["run.run_id=clustered", "runtime.task_runner=ray", "runtime.ray_address=ray://x:1"])
+    )
+    with pytest.raises(ConfigError, match="names the Ray cluster ray://x:1"):
+        check_run_request(None, None, None, str(tmp_path / "runs" / "clustered"))
     for elsewhere in (tmp_path / "other-user" / "run", tmp_path / "runs" / "a" / "b"):
         with pytest.raises(ConfigError, match="may only resume a run of its runs folder"):
             check_run_request(None, None, None, str(elsewhere))
@@ -89,3 +99,14 @@ def test_the_shipped_deployments_own_parameters_pass_the_check(prefect_file):
         if deployment["entrypoint"].endswith(":evaluate"):
             continue
         check_run_request(None, parameters.get("config_path"), parameters.get("overrides"), None)
+
+
+def test_a_run_resumed_from_the_command_line_leaves_its_stored_ray_cluster_unless_named_again():
+    from redteam_grpo.cli.main import _without_a_stored_ray_cluster
+    from redteam_grpo.core.config import load_config
+
+    stored = load_config(None, ["runtime.task_runner=ray", "runtime.ray_address=ray://10.0.0.9:10001"])
+    assert _without_a_stored_ray_cluster(stored, None) == ["runtime.ray_address=null"]
+    named = ["runtime.ray_address=ray://10.0.0.9:10001"]
+    assert _without_a_stored_ray_cluster(stored, named) == named
+    assert _without_a_stored_ray_cluster(load_config(None, []), ["run.iterations=3"]) == ["run.iterations=3"]
