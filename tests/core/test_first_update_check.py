@@ -6,8 +6,9 @@ distribution here, not into the code: each is one of the misalignment bug classe
 reach the update.
 
 Models: a trained deep model (the embedded recipe at 8 layers, tests/deep_model.py) and a random model of Qwen3-4B's
-width and vocabulary with Qwen3's real tokenizer (2 layers; logits of standard deviation 5), at T in {0.7, 1.0}. The
-real CPU engine: tests/e2e/test_vllm_engine.py. Each case prints its statistic / bound per gate (`-s`)."""
+width and vocabulary with Qwen3's real tokenizer (2 layers; logits of standard deviation 5), at T in {0.7, 1.0} (the
+wide model at 0.7: see CASES). The real CPU engine: tests/e2e/test_vllm_engine.py. Each case prints its statistic /
+bound per gate (`-s`)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,14 @@ def _policy(folder, temperature, suppress_quarter=False):
     return policy
 
 
-MODELS = ["trained_deep_folder", "real_width_folder"]
+# The wide model at T = 0.7 only: a step at Qwen3-4B's width and vocabulary costs minutes on a CPU without AVX-512
+# (its bfloat16 head backward), every misalignment case one step more. Its T = 1.0 and 256-token-row cases passed
+# with the margins asserted here when they were last run, and are left out to keep the suite's time; both
+# temperatures and the long rows stay covered on the trained deep model.
+CASES = [("trained_deep_folder", 0.7), ("trained_deep_folder", 1.0), ("real_width_folder", 0.7)]
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("model", "temperature"), CASES)
 def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(request, model, temperature):
     folder = request.getfixturevalue(model)
     cfg = TrainingConfig()
@@ -122,7 +126,7 @@ def test_a_dropped_first_prompt_id_is_refused_with_a_quarter_of_the_vocabulary_s
     check_refused(policy, misaligned, cfg, f"{label} drop_the_first_prompt_id", ("token", "sequence"))
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", ["trained_deep_folder"])
 def test_a_last_logprob_recorded_as_zero_in_long_rows_is_refused_at_the_last_token(request, model):
     """The per-token mean divides a once-per-row error by the row's length: the last-token and sequence gates do
     not. 256-token rows (the trained model ends some rows earlier, at its EOS: their last token is the EOS)."""
