@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from prefect.runtime import deployment
+from prefect.context import FlowRunContext
 
 from redteam_grpo.core.config import ConfigError, load_config
 from redteam_grpo.storage.location import location, same_place
@@ -35,8 +35,13 @@ CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def from_a_deployment() -> bool:
-    """Whether this flow run was created through a deployment (by whoever can reach the Prefect API)."""
-    return deployment.id is not None  # (read through the module: PREFECT__RUNTIME__DEPLOYMENT__ID mocks it)
+    """Whether this flow run itself was created through a deployment (by whoever can reach the Prefect API). A flow
+    it calls (retrain's run) is not: its parameters come from this code, already checked.
+    PREFECT__RUNTIME__DEPLOYMENT__ID stands for a deployment, as Prefect's runtime lets it (tests)."""
+    if os.environ.get("PREFECT__RUNTIME__DEPLOYMENT__ID"):
+        return True
+    context = FlowRunContext.get()
+    return context is not None and context.flow_run is not None and context.flow_run.deployment_id is not None
 
 
 def _listed(variable: str) -> set[str]:
