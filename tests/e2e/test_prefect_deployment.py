@@ -152,16 +152,22 @@ def _trigger(api, deployment: dict, parameters: dict) -> str:
     return _call("POST", url, json={"parameters": parameters})["id"]
 
 
-def _work_off(api, env, flow_run_ids: list[str]) -> None:
-    """Run process workers (one poll each) until every flow run is final; fail on any that did not complete."""
+def _final_states(api, env, flow_run_ids: list[str]) -> dict[str, dict]:
+    """Run process workers (one poll each) until every flow run is final; their states."""
     deadline = time.monotonic() + 480
     states = {}
     while time.monotonic() < deadline:
-        states = {i: _call("GET", f"{api}/flow_runs/{i}")["state"]["type"] for i in flow_run_ids}
-        if all(s in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for s in states.values()):
+        states = {i: _call("GET", f"{api}/flow_runs/{i}")["state"] for i in flow_run_ids}
+        if all(s["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") for s in states.values()):
             break
         _prefect(env, "worker", "start", "--pool", "redteam-grpo", "--run-once", "--limit", "4")
-    assert set(states.values()) == {"COMPLETED"}, states
+    return states
+
+
+def _work_off(api, env, flow_run_ids: list[str]) -> None:
+    """Run process workers until every flow run is final; fail on any that did not complete."""
+    states = _final_states(api, env, flow_run_ids)
+    assert {s["type"] for s in states.values()} == {"COMPLETED"}, states
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +204,16 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, dep
             "overrides": [*SMALL, f"run.runs_dir={runs}", "run.run_id=weekly-0"],
         },
     )
+    # a caller who names a Ray cluster (whose replies Ray unpickles) is refused in the deployment's flow run itself
+    refused = _trigger(
+        api,
+        deployments["red-team"],
+        {"overrides": [*SMALL, f"run.runs_dir={runs}", "run.run_id=refused", "runtime.ray_address=ray://127.0.0.1:9"]},
+    )
     _work_off(api, env, [attack, retrain])
+    (state,) = _final_states(api, env, [refused]).values()
+    assert state["type"] == "FAILED" and "runtime.ray_address" in state["message"], state
+    assert not (runs / "refused").exists()
 
     deployed = RunDir.open(runs / "deployed")
     assert deployed.manifest()["status"] == "completed"
