@@ -102,12 +102,15 @@ def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(req
         policy.load_adapter_state(before)
         print(f"{label} {misalign.__name__}: KL {moved.sampler_kl:.2e} against {correct.sampler_kl:.2e} correct")
         assert moved.sampler_kl > NOISE_MARGIN * correct.sampler_kl
+    # Each case is a full step: on the wide model (minutes a step without AVX-512) those whose gate the deep model
+    # checks at both temperatures are left out (another logprob column, an unreplayed temperature).
+    wide = model == "real_width_folder"
     for misalign, gates in [
         (shift_logprobs_one_token_late, ("token", "sequence")),
         *([(drop_the_first_prompt_id, ("token", "sequence"))] if not weak else []),
-        (read_the_wrong_column, ("token", "sequence")),
+        *([] if wide else [(read_the_wrong_column, ("token", "sequence"))]),
         (score_the_first_token_in_the_wrong_context, ("first_token",)),
-        (trainer_with_temperature(other_temperature), ("token", "sequence")),
+        *([] if wide else [(trainer_with_temperature(other_temperature), ("token", "sequence"))]),
     ]:
         check_refused(policy, misalign(policy, batch), cfg, f"{label} {misalign.__name__}", gates, misses)
         policy.distribution = batch.sampled_with
