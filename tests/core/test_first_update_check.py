@@ -31,8 +31,8 @@ from redteam_grpo.core.training.train import (
 )
 from redteam_grpo.core.training.train import policy_gradient_step as step
 from tests.first_update import (
-    NOISE_MARGIN,
     check_margins,
+    check_moved,
     check_refused,
     drop_the_first_prompt_id,
     read_the_wrong_column,
@@ -81,7 +81,11 @@ def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(req
     cfg = TrainingConfig()
     label = f"{model.removesuffix('_folder')} T={temperature}"
     policy = _policy(folder, temperature)
-    batch = sampled_batch(policy)
+    wide = model == "real_width_folder"
+    # The wide model's margins are wide, so it samples 8 rows of 16 tokens, a third of the deep model's tokens and of
+    # its minutes a step. Measured on an Intel Xeon: with 16 rows of 24, noise at most 0.093 of a bound, a lost first
+    # prompt id 193x, the first token's context 1.9e12x (464 s); with 8 rows of 16, 0.048, 284x and 6.5e10x (161 s).
+    batch = sampled_batch(policy, max_new_tokens=16, samples=2) if wide else sampled_batch(policy)
     misses: list = []
     check_margins(policy, batch, cfg, label, misses)
     other_temperature = 1.0 if temperature != 1.0 else 0.7
@@ -94,19 +98,11 @@ def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(req
         # (asserted here: NOISE_MARGIN = 3x the correct run's KL, 2.5x below the least measured) and caught exactly
         # where it happens instead: the ids are checked (tests/core/test_policy_invariants.py: the training forward
         # sees exactly the ids the sampler fed and drew).
-        measured = TrainingConfig(first_update_kl_tolerance=1.0)
-        before = {k: v.clone() for k, v in policy.adapter_state().items()}
-        correct = step(policy, make_optimizer(policy, measured), batch, measured)
-        policy.load_adapter_state(before)
-        moved = step(policy, make_optimizer(policy, measured), misalign(policy, batch), measured)
-        policy.load_adapter_state(before)
-        print(f"{label} {misalign.__name__}: KL {moved.sampler_kl:.2e} against {correct.sampler_kl:.2e} correct")
-        assert moved.sampler_kl > NOISE_MARGIN * correct.sampler_kl
+        check_moved(policy, batch, misalign, label)
     # Each case is a full step: on the wide model (minutes a step without AVX-512) those whose gate the deep model
-    # checks at both temperatures are left out (another logprob column, an unreplayed temperature).
-    wide = model == "real_width_folder"
+    # checks at both temperatures are left out (shifted logprobs, another logprob column, an unreplayed temperature).
     for misalign, gates in [
-        (shift_logprobs_one_token_late, ("token", "sequence")),
+        *([] if wide else [(shift_logprobs_one_token_late, ("token", "sequence"))]),
         *([(drop_the_first_prompt_id, ("token", "sequence"))] if not weak else []),
         *([] if wide else [(read_the_wrong_column, ("token", "sequence"))]),
         (score_the_first_token_in_the_wrong_context, ("first_token",)),
@@ -117,16 +113,20 @@ def test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it(req
     assert not misses, misses
 
 
-@pytest.mark.parametrize("model", ["trained_deep_folder"])  # the wide model refuses it at 242x without suppression
-def test_a_dropped_first_prompt_id_is_refused_with_a_quarter_of_the_vocabulary_suppressed(request, model):
-    folder = request.getfixturevalue(model)
+def test_with_a_quarter_of_the_vocabulary_suppressed_noise_stays_a_third_and_a_misalignment_is_refused(
+    trained_deep_folder,
+):
+    """A sampler that forbids a quarter of the vocabulary: the bound is the suppressed distribution's, a correct run
+    stays within a third of it and logprobs shifted by one are refused at three times it. A lost first prompt id
+    moves the KL by more than NOISE_MARGIN x the correct run's; at the gates it measured 2.0x its bound on an AMD EPYC
+    (and above 3x on an Intel Xeon): like the unsuppressed case, it is held by the exact id check."""
     cfg = TrainingConfig()
-    policy = _policy(folder, 0.7, suppress_quarter=True)
+    policy = _policy(trained_deep_folder, 0.7, suppress_quarter=True)
     batch = sampled_batch(policy)
-    label = f"{model.removesuffix('_folder')} T=0.7 quarter suppressed"
+    label = "trained_deep T=0.7 quarter suppressed"
     check_margins(policy, batch, cfg, label)
-    misaligned = drop_the_first_prompt_id(policy, batch)
-    check_refused(policy, misaligned, cfg, f"{label} drop_the_first_prompt_id", ("token", "sequence"))
+    check_refused(policy, shift_logprobs_one_token_late(policy, batch), cfg, f"{label} shifted", ("token", "sequence"))
+    check_moved(policy, batch, drop_the_first_prompt_id, label)
 
 
 @pytest.mark.parametrize("model", ["trained_deep_folder"])

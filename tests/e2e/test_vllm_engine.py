@@ -120,9 +120,15 @@ def engine(engine_env, tmp_path_factory):
     served.stop()
 
 
+# The defense engine serves with an API key, as an engine beyond loopback must: the defense runs sample through it
+# with the key from the environment, and the key test checks what it refuses without it.
+ENGINE_KEY = "sampler-key-" + "x" * 20
+
+
 @pytest.fixture(scope="module")
 def defense_engine(engine_env, tmp_path_factory):
-    served = Engine(engine_env, tmp_path_factory.mktemp("engine") / "engine.log", "embedded:tiny-qwen3-safe").start()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    served = Engine(engine_env, log, "embedded:tiny-qwen3-safe", token=ENGINE_KEY).start()
     yield served
     served.stop()
 
@@ -181,8 +187,10 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
 
 @pytest.mark.parametrize("self_play", [False, True])
 def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_the_engine(
-    tmp_path, defense_engine, self_play
+    tmp_path, defense_engine, self_play, monkeypatch
 ):
+    monkeypatch.setenv("REDTEAM_GRPO_SAMPLER_TOKEN", ENGINE_KEY)
+    keyed = {"Authorization": f"Bearer {ENGINE_KEY}"}
     overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={defense_engine.url}", "run.iterations=2"]
     overrides += ["data.prompts_per_iteration=4", "sampling.group_size=2", "defense.prompts_per_goal=2"]
     overrides += [f"defense.self_play={str(self_play).lower()}", f"run.runs_dir={tmp_path}", "run.run_id=def"]
@@ -196,14 +204,14 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
     attacks = pd.read_parquet(run.path(ATTACK, 1))
     assert attacks.completion_token_ids.map(len).gt(0).all()
     # two adapters on the one served base: the defender's and the attacker's of the last version
-    served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models").json()["data"]}
+    served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models", headers=keyed).json()["data"]}
     assert any(name.startswith("def-v0-") for name in served) and any(
         name.startswith("def-attacker-v0-") for name in served
     )
     if self_play:  # the defense evaluation on the engine: the run's attacker writes, base and defender answer
         summary = evaluate_defense.fn(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4))
         assert summary
-        served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models").json()["data"]}
+        served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models", headers=keyed).json()["data"]}
         assert {"def-eval-v1-", "def-eval-attacker-v1-"} <= {name[: name.rindex("-") + 1] for name in served}
 
 
@@ -292,30 +300,28 @@ def test_an_adapter_the_engine_does_not_hold_is_refused(engine):
         sampler.sample("never-loaded", [[1, 2, 3]], 2, 4, 1.0, 0, [2], [])
 
 
-def test_an_engine_with_a_key_refuses_every_request_without_it_and_the_key_is_in_no_command_line(tmp_path, engine_env):
+def test_an_engine_with_a_key_refuses_every_request_without_it_and_the_key_is_in_no_command_line(
+    tmp_path, defense_engine
+):
     # the engine loads any adapter folder it can read on request: without the key, nothing of its API may answer
-    key = "sampler-key-" + "x" * 20
-    served = Engine(engine_env, tmp_path / "engine.log", token=key).start()
-    try:
-        adapter = {"lora_name": "stranger", "lora_path": str(tmp_path)}
-        base = resolve_model_name(ModelConfig().policy)
-        refused = {
-            "/v1/completions": httpx.post(served.url + "/v1/completions", json={"model": base, "prompt": [[1, 2]]}),
-            "/v1/load_lora_adapter": httpx.post(served.url + "/v1/load_lora_adapter", json=adapter),
-            "/adapters": httpx.post(served.url + "/adapters", json={"name": "stranger", "src": str(tmp_path)}),
-            "/invocations": httpx.post(served.url + "/invocations", json={"model": base, "prompt": [[1, 2]]}),
-        }
-        assert {path: r.status_code for path, r in refused.items()} == dict.fromkeys(refused, 401), {
-            path: r.text[:200] for path, r in refused.items()
-        }
-        with pytest.raises(SamplerError, match="REDTEAM_GRPO_SAMPLER_TOKEN"):
-            VllmSampler(served.url, retries=0, token="").sample(base, [[1, 2, 3]], 1, 2, 1.0, 0, [2], [])
-        assert len(VllmSampler(served.url, retries=0, token=key).sample(base, [[1, 2, 3]], 2, 2, 1.0, 0, [2], [])) == 2
-        # the engine's processes are up, and `ps` shows the key in none of them (nor anywhere else)
-        assert served.proc.pid in _engine_processes(served.proc.pid, served.port)
-        assert not [pid for pid, line in _command_lines().items() if key.encode() in line]
-    finally:
-        served.stop()
+    key, served = ENGINE_KEY, defense_engine
+    adapter = {"lora_name": "stranger", "lora_path": str(tmp_path)}
+    base = resolve_model_name(served.policy)
+    refused = {
+        "/v1/completions": httpx.post(served.url + "/v1/completions", json={"model": base, "prompt": [[1, 2]]}),
+        "/v1/load_lora_adapter": httpx.post(served.url + "/v1/load_lora_adapter", json=adapter),
+        "/adapters": httpx.post(served.url + "/adapters", json={"name": "stranger", "src": str(tmp_path)}),
+        "/invocations": httpx.post(served.url + "/invocations", json={"model": base, "prompt": [[1, 2]]}),
+    }
+    assert {path: r.status_code for path, r in refused.items()} == dict.fromkeys(refused, 401), {
+        path: r.text[:200] for path, r in refused.items()
+    }
+    with pytest.raises(SamplerError, match="REDTEAM_GRPO_SAMPLER_TOKEN"):
+        VllmSampler(served.url, retries=0, token="").sample(base, [[1, 2, 3]], 1, 2, 1.0, 0, [2], [])
+    assert len(VllmSampler(served.url, retries=0, token=key).sample(base, [[1, 2, 3]], 2, 2, 1.0, 0, [2], [])) == 2
+    # the engine's processes are up, and `ps` shows the key in none of them (nor anywhere else)
+    assert served.proc.pid in _engine_processes(served.proc.pid, served.port)
+    assert not [pid for pid, line in _command_lines().items() if key.encode() in line]
 
 
 def test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_lives_on(engine):
