@@ -26,7 +26,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from redteam_grpo.server.settings import REWARD_TOKEN_ENV, is_loopback
+from redteam_grpo.core.hosts import is_loopback
+from redteam_grpo.server.settings import REWARD_TOKEN_ENV
 
 
 async def _problem(send: Send, status: int, detail: str) -> None:

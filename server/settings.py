@@ -3,7 +3,6 @@ both servers (the reward server and the vLLM sampler) follow before they bind: b
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 
@@ -11,21 +10,13 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from redteam_grpo.core.config import RewardConfig, Secrets
+from redteam_grpo.core.hosts import is_loopback
 
 DEFAULT_PORT = 50050  # the reference system's reward server port
 REWARD_TOKEN_ENV = "REDTEAM_GRPO_REWARD_TOKEN"
 SAMPLER_TOKEN_ENV = "REDTEAM_GRPO_SAMPLER_TOKEN"
 MIN_TOKEN_CHARS = 16  # a token that other machines may guess at must not be guessable
 NEW_TOKEN_COMMAND = "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
 
 
 def no_empty_token(token: str | SecretStr | None) -> str | None:

@@ -10,7 +10,6 @@ show nothing more in the UI.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import math
 import re
@@ -24,6 +23,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
+from redteam_grpo.core.hosts import is_loopback
 from redteam_grpo.core.metrics.registry import ITERATION, METRICS
 from redteam_grpo.core.rollouts.dialogue import POLICY_SPEAKER
 from redteam_grpo.storage.location import location, uri
@@ -99,11 +99,7 @@ def prefect_api_is_local() -> bool:
     url = get_current_settings().api.url
     if not url:
         return True
-    host = urlsplit(str(url)).hostname or ""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlsplit(str(url)).hostname or "")
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:

@@ -17,6 +17,7 @@ EXAMPLES_AT_LEAST = {
     "redteam_grpo.core.training.train": 1,
     "redteam_grpo.tasks.evaluate_defense": 2,
     "redteam_grpo.server.limits": 1,
+    "redteam_grpo.core.hosts": 1,
 }
 
 
