@@ -547,7 +547,7 @@ class RunConfig(_Section):
 
     @field_validator("name", "run_id")
     @classmethod
-    def _one_folder_name(cls, value: str | None, info: Any) -> str | None:
+    def _one_folder_name(cls, value: str | None) -> str | None:
         # the run folder is runs_dir / run_id: a name with `..`, a `/` or an absolute path would put it elsewhere
         if value is not None and not is_component(value):
             raise ValueError(f"{value!r} must be one folder name ({RULE}), so that the run stays under run.runs_dir")

@@ -43,11 +43,30 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def temporary_name(path: Path) -> Path:
+    """A name beside `path` that no one can guess ahead (`.tmp-<pid>-<random>-<name>`): what is planted under a
+    predictable name is never written through."""
+    return path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{path.name}")
+
+
+def temporary_folder(path: Path) -> Path:
+    """A new, empty folder beside the folder `path` under an unpredictable name, made here (mkdir fails on anything
+    already there, a link included)."""
+    for _ in range(8):
+        tmp = temporary_name(path)
+        try:
+            tmp.mkdir(mode=0o755)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name beside the folder", str(path))
+
+
 def _create_temporary(path: Path) -> Path:
     """A new, empty file beside `path` under an unpredictable name, created here (O_EXCL) and never through a link
     (O_NOFOLLOW): a file or symlink planted under a name that could be guessed is never written through."""
     for _ in range(8):
-        tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{path.name}")
+        tmp = temporary_name(path)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
             return tmp
@@ -62,7 +81,7 @@ def _remote_atomic_path(path: Path) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="redteam-grpo-") as folder:
         local = Path(folder) / path.name
         yield local
-        remote_tmp = path.with_name(f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}-{path.name}")
+        remote_tmp = temporary_name(path)
         try:
             upload(local, remote_tmp)
             move(remote_tmp, path)

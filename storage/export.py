@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from redteam_grpo.storage.atomic import TMP_PREFIX, write_atomic
+from redteam_grpo.storage.atomic import temporary_folder, write_atomic
 from redteam_grpo.storage.location import is_remote
 
 FILE_FORMATS = {"parquet", "jsonl", "json", "csv"}
@@ -62,8 +62,8 @@ def write_hf_dataset(df: pd.DataFrame, folder: Path) -> Path:
         raise ExportError(
             f"a Hugging Face dataset folder is written on a local disk, not at {folder}: give --out a folder"
         )
-    tmp = folder.with_name(f"{TMP_PREFIX}{os.getpid()}-{folder.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_folder(folder)
     try:
         datasets.Dataset.from_pandas(df, preserve_index=False).save_to_disk(str(tmp))
         if folder.exists():

@@ -130,3 +130,20 @@ def test_the_sampler_folder_of_a_remote_run_is_made_fresh_and_private_not_a_gues
     assert folder == RunDir.open(run.root).sampler_dir  # the same for every reader in this process
     assert folder != Path("/tmp") / "redteam-grpo-sampler" / "remote"
     assert folder.is_dir() and stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+def test_a_dataset_export_never_writes_through_a_link_planted_at_a_temporary_folder_name(tmp_path):
+    """The export's folder was written as `.tmp-<pid>-<name>` beside it: a link planted there took the dataset."""
+    import pandas as pd
+
+    from redteam_grpo.storage.export import write_hf_dataset
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("keep me")
+    out = tmp_path / "exported" / "hf_dataset"
+    out.parent.mkdir()
+    (out.parent / f"{atomic.TMP_PREFIX}{os.getpid()}-{out.name}").symlink_to(victim, target_is_directory=True)
+    write_hf_dataset(pd.DataFrame({"prompt": ["a", "b"]}), out)
+    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
+    assert out.is_dir() and not out.is_symlink() and (out / "dataset_info.json").is_file()
