@@ -84,6 +84,7 @@ FORMAT_CHANGES = {
 INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
 SAMPLER_FOLDER = "sampler"  # sampling.backend=vllm: adapters exported for the server; derived from the checkpoints
 OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
+DERIVED_FILE = "derived.lock"  # held by what writes evaluations, exports and reports into the run
 # What a `create` interrupted before its manifest write can leave in the folder.
 _CREATION_LEFTOVERS = ("config.json", OWNER_FILE)
 RUN_RECORD = "run_record"  # a checkpoint manifest's copy of the run manifest at sealing (rebuild_manifest)

@@ -47,7 +47,9 @@ def test_a_second_owner_is_refused_at_once_naming_the_first_and_the_way_out(run)
     ownership.refuse_if_owned(run.root)
     with ownership.owning(run.root):  # released: the next owner gets it
         pass
-    assert (run.root / OWNER_FILE).read_text() == ""  # let go cleanly: names nobody
+    assert ownership.live_owner(run.root) is None  # let go cleanly: the lock names nobody, the record is gone
+    if (run.root / OWNER_FILE).exists():
+        assert (run.root / OWNER_FILE).read_text() == ""
 
 
 def test_a_lock_dies_with_its_process_and_the_next_owner_says_it_took_over(run, caplog):
@@ -91,7 +93,31 @@ def test_on_object_storage_a_record_from_another_host_is_refused_until_removed(t
     (run.root / OWNER_FILE).unlink()
     with ownership.owning(run.root) as held:
         assert json.loads((run.root / OWNER_FILE).read_text())["pid"] == held.owner.pid == os.getpid()
-    assert (run.root / OWNER_FILE).read_text() == ""
+    assert not (run.root / OWNER_FILE).exists()  # let go: the next owner creates its own record
+
+
+@pytest.mark.parametrize("store", ["file-url", "memory"])
+def test_on_object_storage_two_owners_that_both_found_no_record_are_not_both_let_in(
+    tmp_path, memory_store, monkeypatch, store
+):
+    """The record used to be checked, then written: two processes that both read "nobody" both wrote their record
+    and both ran the run's stages. It is created only where none exists, so the second is refused."""
+    run = RunDir.create(_config(f"file://{tmp_path}" if store == "file-url" else memory_store))
+    monkeypatch.setattr(ownership, "_refuse_if_recorded", lambda root, lock: None)  # both checked before either wrote
+    first = ownership.acquire(run.root)
+    with pytest.raises(ownership.RunOwnedElsewhere, match=f"owned by pid {os.getpid()} .* a moment before"):
+        ownership.acquire(run.root)
+    assert json.loads((run.root / OWNER_FILE).read_text()) == first.owner.__dict__  # the first's record stands
+    first.release()
+    assert not (run.root / OWNER_FILE).exists()
+    ownership.acquire(run.root).release()  # the next owner gets it
+
+
+def test_on_object_storage_a_record_left_empty_by_an_older_version_is_taken_over(tmp_path):
+    run = RunDir.create(_config(f"file://{tmp_path}"))
+    (run.root / OWNER_FILE).write_text("")  # how earlier versions let go
+    with ownership.owning(run.root) as held:
+        assert json.loads((run.root / OWNER_FILE).read_text())["pid"] == held.owner.pid
 
 
 def test_only_temporary_files_are_removed_and_counted(run):
