@@ -33,6 +33,21 @@ def _open(run_dir: str | Path):
         raise typer.Exit(2) from None
 
 
+def _writing_into(run, target: Path | None):
+    """The run's lock of derived files (storage/ownership.py: DERIVED) while `target` (None: the run's own default
+    place) is inside the run folder: two exports or reports at once would replace each other's files mid-way.
+    Written elsewhere, nothing is held."""
+    import contextlib
+
+    from redteam_grpo.storage import ownership
+    from redteam_grpo.storage.location import is_remote
+
+    inside = target is None or (
+        not is_remote(run.root) and Path(target).resolve().is_relative_to(Path(run.root).resolve())
+    )
+    return ownership.owning(run.root, ownership.DERIVED) if inside else contextlib.nullcontext()
+
+
 def _number(value: float) -> str:
     if math.isnan(value):
         return ""
@@ -171,12 +186,13 @@ def export(
     try:
         if hf:
             require_datasets()  # before anything is written
-        written = [
-            write_frame(df, folder / "adversarial.parquet", "parquet"),
-            write_frame(df, folder / "adversarial.jsonl", "jsonl"),
-        ]
-        if hf:
-            written.append(write_hf_dataset(df, folder / "hf_dataset"))
+        with _writing_into(run, out):
+            written = [
+                write_frame(df, folder / "adversarial.parquet", "parquet"),
+                write_frame(df, folder / "adversarial.jsonl", "jsonl"),
+            ]
+            if hf:
+                written.append(write_hf_dataset(df, folder / "hf_dataset"))
     except ExportError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
@@ -194,7 +210,7 @@ def report(
     from redteam_grpo.cli.report import write_report
 
     run = _open(run_dir)
-    with console.status("rendering plots and examples"):
+    with _writing_into(run, out), console.status("rendering plots and examples"):
         path = write_report(run, out, top_k)
     console.print(f"report: {path}")
 

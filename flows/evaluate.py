@@ -9,6 +9,7 @@ from prefect import flow
 
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.flows.deployment_guard import check_evaluation_request, from_a_deployment
+from redteam_grpo.storage import ownership
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.artifacts import publish_evaluation
@@ -34,8 +35,11 @@ def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: 
     if from_a_deployment():  # an evaluation writes into the run: one of the worker's runs folder
         check_evaluation_request(run_dir)
     options = options or EvaluationOptions()
-    evaluation = mode_of(RunDir.open(run_dir).stored_config()).evaluation
-    summary = EVALUATIONS.get(evaluation, evaluate_checkpoint)(run_dir, options)  # red-team's refuses SFT runs
+    run = RunDir.open(run_dir)
+    evaluation = mode_of(run.stored_config()).evaluation
+    # one evaluation of a run at a time (its RUN/eval files); the run's owner may go on training beside it
+    with ownership.owning(run.root, ownership.DERIVED):
+        summary = EVALUATIONS.get(evaluation, evaluate_checkpoint)(run_dir, options)  # red-team's refuses SFT runs
     if artifacts:
         publish_evaluation(summary)
     return summary

@@ -191,3 +191,43 @@ def test_list_columns_are_json_in_csv(run_dir, tmp_path):
     written = pd.read_csv(tmp_path / "r.csv")
     rollouts = pd.read_parquet(RunDir.open(run_dir).path(SAMPLE, 0)).sort_values(["prompt_id", "sample_idx"])
     assert [json.loads(cell) for cell in written.prompt_token_ids] == [list(x) for x in rollouts.prompt_token_ids[:3]]
+
+
+def _hold_in_a_child(root: Path, lock: str):
+    """A process that holds `lock` ("STAGES" or "DERIVED") of the run at `root` until killed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time; from redteam_grpo.storage import ownership; "
+        f"ownership.acquire(sys.argv[1], ownership.{lock}); print('held', flush=True); time.sleep(120)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_what_writes_into_a_run_waits_its_turn_and_an_evaluation_runs_beside_training(run_dir, tmp_path):
+    """Two exports, reports or evaluations into one run at once replaced each other's files mid-way: each holds the
+    run's lock of derived files. Training holds another: a running run can still be evaluated."""
+    child = _hold_in_a_child(run_dir, "DERIVED")
+    try:
+        before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "derived.lock"}
+        for command in (["export", run_dir], ["report", run_dir], ["evaluate", run_dir, "--prompts", "2"]):
+            code, out = _cli(*command)
+            assert code == 2 and f"owned by pid {child.pid}" in out and "evaluations, exports and reports" in out, out
+            assert "Traceback" not in out
+        after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "derived.lock"}
+        assert after == before  # nothing written
+        code, out = _cli("export", run_dir, "--out", tmp_path / "elsewhere")  # outside the run: no lock to wait for
+        assert code == 0 and (tmp_path / "elsewhere" / "adversarial.parquet").is_file(), out
+    finally:
+        child.kill()
+        child.wait()
+    child = _hold_in_a_child(run_dir, "STAGES")  # as a run that is still training
+    try:
+        code, out = _cli("evaluate", run_dir, "--prompts", "2", "--samples", "2")
+        assert code == 0, out
+    finally:
+        child.kill()
+        child.wait()
