@@ -110,3 +110,17 @@ def test_a_run_resumed_from_the_command_line_leaves_its_stored_ray_cluster_unles
     named = ["runtime.ray_address=ray://10.0.0.9:10001"]
     assert _without_a_stored_ray_cluster(stored, named) == named
     assert _without_a_stored_ray_cluster(load_config(None, []), ["run.iterations=3"]) == ["run.iterations=3"]
+
+
+@pytest.mark.parametrize("prefect_file", ["prefect.yaml", "deploy/kubernetes/prefect.yaml"])
+def test_every_shipped_deployment_bounds_its_runs_at_once_and_queues_the_rest(prefect_file):
+    """A caller of the API could start any number of runs on one worker: every deployment has a limit, and runs
+    past it wait (ENQUEUE) instead of being dropped."""
+    import yaml
+
+    from tests.e2e.test_kubernetes_example import ROOT
+
+    for deployment in yaml.safe_load((ROOT / prefect_file).read_text())["deployments"]:
+        limit = deployment.get("concurrency_limit")
+        assert isinstance(limit, dict) and limit.get("collision_strategy") == "ENQUEUE", deployment["name"]
+        assert isinstance(limit.get("limit"), int) and 1 <= limit["limit"] <= 8, deployment["name"]
