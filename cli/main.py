@@ -144,6 +144,7 @@ def _train(
         stored = RunDir.open(resume).stored_config()
         ownership.refuse_if_owned(location(resume))  # the flow takes the lock; this only answers sooner
         set_ = _without_a_stored_ray_cluster(stored, set_)
+        _refuse_stored_servers_beyond_loopback(stored, set_)
     # A resumed run's --config/--set change its stored config, never the defaults.
     cfg = _load(config, set_, stored, mode) if (config or set_ or stored is None) else None
     if push_to_hub and (cfg or stored).run.offline:
@@ -199,6 +200,27 @@ def _without_a_stored_ray_cluster(stored, set_: list[str] | None) -> list[str] |
         highlight=False,
     )
     return [*(set_ or []), "runtime.ray_address=null"]
+
+
+def _refuse_stored_servers_beyond_loopback(stored, set_: list[str] | None) -> None:
+    """A resumed run sends your reward and sampler tokens, and its prompts and completions, to the servers its stored
+    config names; one beyond this machine is used only when the command line names it again (the run folder may have
+    been written by someone else)."""
+    from urllib.parse import urlsplit
+
+    from redteam_grpo.core.hosts import is_loopback
+    from redteam_grpo.storage.rundir import RunDirError
+
+    given = {s.split("=", 1)[0].strip() for s in set_ or [] if "=" in s}
+    stored_urls = {"reward.url": stored.reward.urls, "sampling.vllm_url": [u for u in [stored.sampling.vllm_url] if u]}
+    for key, urls in stored_urls.items():
+        remote = [u for u in urls if not is_loopback(urlsplit(u).hostname or "")]
+        if remote and key not in given:
+            raise RunDirError(
+                f"the run's config.json names {key} {', '.join(remote)}, beyond this machine: resuming would send it "
+                f"your token and the run's texts. If you trust it, name it again: --set {key}=... (or point the run "
+                f"at your own server the same way)"
+            )
 
 
 def _run_with_progress(cfg, resume: str | None, redo: str | None, stop, mode: str) -> tuple[str, list[dict]]:

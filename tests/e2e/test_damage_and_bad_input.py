@@ -339,3 +339,20 @@ def test_a_models_own_code_runs_only_when_that_model_is_granted_on_the_command_l
 
         load_policy(cfg, 1.0, torch.device("cpu"), 0)
     assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("reward", {"url": "http://10.0.0.9:50050"}), ("sampling", {"vllm_url": "http://attacker.example:8000"})],
+)
+def test_a_resume_whose_config_names_a_server_beyond_this_machine_asks_for_it_again(copy, key, value):
+    """A resumed run sent your tokens and its texts to the servers its stored config names, written by whoever
+    wrote the run folder: one beyond loopback must be named again on the command line."""
+    stored = json.loads(copy.config_path.read_text())
+    stored[key] |= value
+    copy.config_path.write_text(json.dumps(stored))
+    before = copy.manifest()
+    setting, url = f"{'reward.url' if key == 'reward' else 'sampling.vllm_url'}", next(iter(value.values()))
+    code, out = _cli("run", "--resume", copy.root, "--set", "run.iterations=3")
+    _one_error_line(code, out, setting, url, f"--set {setting}=")
+    assert copy.manifest() == before  # nothing ran
