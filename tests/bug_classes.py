@@ -528,9 +528,16 @@ BUG_CLASSES = [
     (
         "object-store-run-owned-twice",
         "storage/ownership.py",
-        "previous, fd = _refuse_if_recorded(root), -1",
-        "previous, fd = _recorded_owner(root), -1",
+        "previous, fd = _refuse_if_recorded(root, lock), -1",
+        "previous, fd = _recorded_owner(root, lock), -1",
         "tests/storage/test_ownership.py::test_on_object_storage_a_record_from_another_host_is_refused_until_removed",
+    ),
+    (
+        "object-store-owner-record-raced",
+        "storage/ownership.py",
+        '        with path.open("xb") as handle:',
+        '        with path.open("wb") as handle:',
+        "tests/storage/test_ownership.py::test_on_object_storage_two_owners_that_both_found_no_record_are_not_both_let_in",
     ),
     (
         "dialogue-retokenised-between-turns",
