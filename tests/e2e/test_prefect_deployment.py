@@ -184,8 +184,12 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, dep
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
     assert set(deployments) == {d["name"] for d in spec}
     assert set(deployments) == {"red-team", "evaluation", "scheduled-retraining", "attacker-sft", "defense"}
-    for d in deployments.values():
+    limits = {d["name"]: d["concurrency_limit"]["limit"] for d in spec}
+    for name, d in deployments.items():
         assert d["work_pool_name"] == "redteam-grpo"
+        # the server enforces each deployment's bound on its runs at once, and queues the rest
+        assert d["global_concurrency_limit"]["limit"] == limits[name], d["global_concurrency_limit"]
+        assert d["concurrency_options"]["collision_strategy"] == "ENQUEUE", d["concurrency_options"]
         assert d["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
     (schedule,) = deployments["scheduled-retraining"]["schedules"]
     assert schedule["schedule"]["cron"] == "0 3 * * 1" and schedule["active"]
