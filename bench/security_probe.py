@@ -81,6 +81,39 @@ def run_folder_cases(tmp: Path) -> list[tuple[str, bool, str]]:
     held, outcome = _refused(lambda: ownership.acquire(run.root), RunDirError)
     held = held and victim.read_text() == "keep me"
     cases.append(("owner.lock planted as a symlink", held, outcome))
+
+    import pandas as pd
+
+    from redteam_grpo.storage.export import write_hf_dataset
+
+    taken = tmp / "taken"
+    taken.mkdir()
+    out = tmp / "exported" / "hf_dataset"
+    out.parent.mkdir()
+    (out.parent / f"{atomic.TMP_PREFIX}{os.getpid()}-{out.name}").symlink_to(taken, target_is_directory=True)
+    try:
+        write_hf_dataset(pd.DataFrame({"prompt": ["a"]}), out)
+        held = not any(taken.iterdir())
+        cases.append(("symlink planted at an export's folder", held, "target untouched" if held else "dataset in it"))
+    except Exception as exc:  # `datasets` not installed: nothing written anywhere
+        cases.append(("symlink planted at an export's folder", not any(taken.iterdir()), f"refused: {exc}"[:110]))
+
+    # two processes that both found no owner record on object storage (the check, then the write)
+    remote = RunDir.create(load_config(None, [f"run.runs_dir=memory://probe-{os.getpid()}/runs", "run.run_id=raced"]))
+    checked, ownership._refuse_if_recorded = ownership._refuse_if_recorded, lambda root, lock: None
+    try:
+        first = ownership.acquire(remote.root)
+        held, outcome = _refused(lambda: ownership.acquire(remote.root), RunDirError)
+        first.release()
+    finally:
+        ownership._refuse_if_recorded = checked
+    cases.append(("two owners racing on object storage", held, outcome))
+
+    from redteam_grpo.cli.main import _refuse_stored_servers_beyond_loopback
+
+    stored = load_config(None, ["reward.url=http://10.0.0.9:50050"])
+    held, outcome = _refused(lambda: _refuse_stored_servers_beyond_loopback(stored, []), RunDirError)
+    cases.append(("resume of a run naming a remote reward server", held, outcome))
     return cases
 
 
