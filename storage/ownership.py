@@ -288,12 +288,7 @@ def acquire(root: str | Path, lock: RunLock = STAGES) -> RunOwner:
 
 @contextlib.contextmanager
 def owning(root: Path, lock: RunLock = STAGES) -> Iterator[RunOwner]:
-    """Hold `lock` of the run directory `root` for the duration of the block (taken once: a block inside another
-    that holds it already holds it too)."""
-    root = location(root)
-    if (root, lock.file) in _OWNED:
-        yield _OWNED[(root, lock.file)]
-        return
+    """Hold `lock` of the run directory `root` for the duration of the block."""
     held = acquire(root, lock)
     try:
         yield held
