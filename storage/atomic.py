@@ -52,27 +52,27 @@ def temporary_name(path: Path) -> Path:
 def temporary_folder(path: Path) -> Path:
     """A new, empty folder beside the folder `path` under an unpredictable name, made here (mkdir fails on anything
     already there, a link included)."""
-    for _ in range(8):
-        tmp = temporary_name(path)
-        try:
-            tmp.mkdir(mode=0o755)
-            return tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no free temporary name beside the folder", str(path))
+    return _create_fresh(path, lambda tmp: tmp.mkdir(mode=0o755), "folder")
 
 
 def _create_temporary(path: Path) -> Path:
     """A new, empty file beside `path` under an unpredictable name, created here (O_EXCL) and never through a link
     (O_NOFOLLOW): a file or symlink planted under a name that could be guessed is never written through."""
+    return _create_fresh(
+        path, lambda tmp: os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)), "file"
+    )
+
+
+def _create_fresh(path: Path, create: Callable[[Path], object], what: str) -> Path:
+    """`create` at a temporary name beside `path` that nothing holds yet (a few tries: a name is random)."""
     for _ in range(8):
         tmp = temporary_name(path)
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+            create(tmp)
             return tmp
         except FileExistsError:
             continue
-    raise FileExistsError(errno.EEXIST, "no free temporary name beside the file", str(path))
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside the {what}", str(path))
 
 
 @contextlib.contextmanager
