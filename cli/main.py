@@ -191,7 +191,7 @@ def _without_a_stored_ray_cluster(stored, set_: list[str] | None) -> list[str] |
     cluster sends back, and the address in a run folder may have been written by someone else. Where the stages run
     does not change their rows (runtime.shards does), so a local Ray instance computes the same."""
     address = stored.runtime.ray_address
-    if address is None or any(s.strip().startswith("runtime.ray_address=") for s in set_ or []):
+    if address is None or _named_again(set_, "runtime.ray_address"):
         return set_
     console.print(
         f"the run was on the Ray cluster at {address}: it resumes on a local Ray instance unless you name the cluster "
@@ -200,6 +200,11 @@ def _without_a_stored_ray_cluster(stored, set_: list[str] | None) -> list[str] |
         highlight=False,
     )
     return [*(set_ or []), "runtime.ray_address=null"]
+
+
+def _named_again(set_: list[str] | None, key: str) -> bool:
+    """Whether a `--set` of this command line gives `key` (a resumed run's stored value is not enough)."""
+    return any(s.split("=", 1)[0].strip() == key for s in set_ or [] if "=" in s)
 
 
 def _refuse_stored_servers_beyond_loopback(stored, set_: list[str] | None) -> None:
@@ -211,11 +216,10 @@ def _refuse_stored_servers_beyond_loopback(stored, set_: list[str] | None) -> No
     from redteam_grpo.core.hosts import is_loopback
     from redteam_grpo.storage.rundir import RunDirError
 
-    given = {s.split("=", 1)[0].strip() for s in set_ or [] if "=" in s}
-    stored_urls = {"reward.url": stored.reward.urls, "sampling.vllm_url": [u for u in [stored.sampling.vllm_url] if u]}
-    for key, urls in stored_urls.items():
+    vllm_url = stored.sampling.vllm_url
+    for key, urls in {"reward.url": stored.reward.urls, "sampling.vllm_url": [vllm_url] if vllm_url else []}.items():
         remote = [u for u in urls if not is_loopback(urlsplit(u).hostname or "")]
-        if remote and key not in given:
+        if remote and not _named_again(set_, key):
             raise RunDirError(
                 f"the run's config.json names {key} {', '.join(remote)}, beyond this machine: resuming would send it "
                 f"your token and the run's texts. If you trust it, name it again: --set {key}=... (or point the run "
