@@ -41,3 +41,20 @@ def handlers(installed: dict[int, Any]) -> Iterator[None]:
         yield
     finally:
         give_back(previous)
+
+
+def hold_a_run_lock(root, lock: str = "STAGES"):
+    """A child process that holds `lock` (storage/ownership.py: "STAGES" or "DERIVED") of the run at `root` until it
+    is killed, as another `run` or `evaluate` would; returned once it holds it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, time; from redteam_grpo.storage import ownership; "
+        f"ownership.acquire(sys.argv[1], ownership.{lock}); print('held', flush=True); time.sleep(120)"
+    )
+    cwd = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, cwd=cwd)
+    assert child.stdout.readline().strip() == "held"
+    return child

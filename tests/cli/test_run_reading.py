@@ -17,6 +17,7 @@ from redteam_grpo.core.config import load_config
 from redteam_grpo.flows import attack
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE
+from tests.processes import hold_a_run_lock
 from tests.small_runs import SMALL_RUN
 
 runner = CliRunner()
@@ -193,24 +194,10 @@ def test_list_columns_are_json_in_csv(run_dir, tmp_path):
     assert [json.loads(cell) for cell in written.prompt_token_ids] == [list(x) for x in rollouts.prompt_token_ids[:3]]
 
 
-def _hold_in_a_child(root: Path, lock: str):
-    """A process that holds `lock` ("STAGES" or "DERIVED") of the run at `root` until killed."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, time; from redteam_grpo.storage import ownership; "
-        f"ownership.acquire(sys.argv[1], ownership.{lock}); print('held', flush=True); time.sleep(120)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True)
-    assert child.stdout.readline().strip() == "held"
-    return child
-
-
 def test_what_writes_into_a_run_waits_its_turn_and_an_evaluation_runs_beside_training(run_dir, tmp_path):
     """Two exports, reports or evaluations into one run at once replaced each other's files mid-way: each holds the
     run's lock of derived files. Training holds another: a running run can still be evaluated."""
-    child = _hold_in_a_child(run_dir, "DERIVED")
+    child = hold_a_run_lock(run_dir, "DERIVED")
     try:
         before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file() and p.name != "derived.lock"}
         for command in (["export", run_dir], ["report", run_dir], ["evaluate", run_dir, "--prompts", "2"]):
@@ -224,7 +211,7 @@ def test_what_writes_into_a_run_waits_its_turn_and_an_evaluation_runs_beside_tra
     finally:
         child.kill()
         child.wait()
-    child = _hold_in_a_child(run_dir, "STAGES")  # as a run that is still training
+    child = hold_a_run_lock(run_dir, "STAGES")  # as a run that is still training
     try:
         code, out = _cli("evaluate", run_dir, "--prompts", "2", "--samples", "2")
         assert code == 0, out

@@ -7,8 +7,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import atomic, checkpoints, interrupts, ownership
 from redteam_grpo.storage.rundir import OWNER_FILE, RunDir, RunDirError
-from tests.processes import dispositions, handlers
+from tests.processes import dispositions, handlers, hold_a_run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,13 +51,8 @@ def test_a_second_owner_is_refused_at_once_naming_the_first_and_the_way_out(run)
 
 
 def test_a_lock_dies_with_its_process_and_the_next_owner_says_it_took_over(run, caplog):
-    code = (
-        "import sys, time; from redteam_grpo.storage import ownership; "
-        "ownership.acquire(sys.argv[1]); print('owned', flush=True); time.sleep(60)"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code, str(run.root)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = hold_a_run_lock(run.root)
     try:
-        assert child.stdout.readline().strip() == "owned"
         with pytest.raises(ownership.RunOwnedElsewhere, match=f"owned by pid {child.pid} on "):
             ownership.acquire(run.root)
         assert ownership.live_owner(run.root).pid == child.pid
