@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from redteam_grpo.core.models.roles import ATTACKER
 from redteam_grpo.core.names import RULE, is_component
 from redteam_grpo.core.training.rewards import RewardWeights
 
@@ -607,6 +608,17 @@ class Config(_Section):
     """Where the stages run: Ray for the sample and score shards, a GPU slot (torchrun: training.launcher)."""
     run: RunConfig = RunConfig()
     """Run directory, length, seed, early stopping."""
+
+    def reward_weights(self, role: str) -> RewardWeights:
+        """The weights of the reward of a learner's rows, by role: the trained policy's (the attacked model, the
+        defender) are `reward.*_weight`; the self-play attacker is paid for the harm its prompts draw from the
+        defender, with `defense.attacker_novelty_weight` on novelty and the policy's repetition and KL weights."""
+        if role == ATTACKER:
+            r = self.reward
+            return RewardWeights(
+                harm=1.0, repetition=r.repetition_weight, kl=r.kl_weight, novelty=self.defense.attacker_novelty_weight
+            )
+        return self.reward.weights
 
     @model_validator(mode="after")
     def _shards_fit(self) -> Config:

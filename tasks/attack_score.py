@@ -20,12 +20,12 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.models.roles import ATTACKER
 from redteam_grpo.core.scoring.novelty import novelty_scores
-from redteam_grpo.core.training.rewards import RewardTerms, RewardWeights, composite_reward, repetition_ratios
+from redteam_grpo.core.training.rewards import repetition_ratios
 from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
-from redteam_grpo.tasks.score import ScoredRows, novelty_memory, policy_terms, scores_stats
+from redteam_grpo.tasks.score import ScoredRows, learner_reward, novelty_memory, scores_stats
 
 
 def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[str, dict[str, Any]]:
@@ -78,27 +78,19 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
             attacks["completion_token_ids"],
         )
         n = len(texts)
-        weight = cfg.defense.attacker_novelty_weight
         novelty: list[float | None] = [None] * n
         embeddings: list[list[float] | None] = [None] * n
-        if weight:
+        if cfg.defense.attacker_novelty_weight:
             embedded = res.embedder(texts)
             memory = novelty_memory(
                 res.run, iteration, cfg.reward.novelty_memory_iterations, cfg.reward.novelty_memory_size, ATTACK_SCORE
             )
             novelty, embeddings = list(novelty_scores(embedded, memory)), embedded.tolist()
         repetition = repetition_ratios(completion_ids, cfg.reward.repetition_ngram)
-        res.ensure_attacker(iteration - 1)  # the weights that wrote these prompts
-        with res.policy.role(ATTACKER):
-            terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)
-        weights = RewardWeights(
-            harm=1.0, repetition=cfg.reward.repetition_weight, kl=cfg.reward.kl_weight, novelty=weight
-        )
-        reward = [
-            composite_reward(RewardTerms(h, rep, k, nov), weights)
-            for h, rep, k, nov in zip(harm, repetition, terms.kl, novelty, strict=True)
-        ]
         refused = [per_prompt[k]["refusal_share"] >= 0.5 for k in keys]
+        terms, reward = learner_reward(
+            res, ATTACKER, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refused
+        )
         categories = [per_prompt[k]["categories"] for k in keys]
         info = res.scoring.describe().scorer
         truncated = [False] * n  # the judge's scores of the defender's responses, not of these prompts

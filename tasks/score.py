@@ -16,11 +16,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.models.policy import Policy
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.rollouts.dialogue import policy_rows
-from redteam_grpo.core.rollouts.logprobs import masked_mean
 from redteam_grpo.core.scoring.backend import ScoringBackend
 from redteam_grpo.core.scoring.novelty import novelty_scores
 from redteam_grpo.core.scoring.scorers import Goal, ModelInfo, ScorerError
+from redteam_grpo.core.tokens.logprobs import masked_mean
 from redteam_grpo.core.training.batching import micro_batches
 from redteam_grpo.core.training.kl import policy_entropy_reference_logprobs, sequence_kl
 from redteam_grpo.core.training.rewards import (
@@ -38,7 +39,7 @@ from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import SAMPLE, SCORE, Stage
 from redteam_grpo.tasks.common import run_sharded_stage
-from redteam_grpo.tasks.resources import resources_for
+from redteam_grpo.tasks.resources import RunResources, resources_for
 from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
 
 
@@ -98,6 +99,36 @@ def policy_terms(
             policy_lps[i] = pol[b, :n_trained].tolist()
             reference_lps[i] = ref[b, :n_trained].tolist()
     return PolicyTerms(policy_lps, reference_lps, kl, entropy)
+
+
+def learner_reward(
+    res: RunResources,
+    role: str,
+    iteration: int,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    harm: list[float | None],
+    repetition: list[float],
+    novelty: list[float | None],
+    refusal: list[bool],
+    spans: list[list[tuple[int, int]]] | None = None,
+) -> tuple[PolicyTerms, list[float]]:
+    """The reward of a learner's rows, assembled here for every learner (the attacked policy, the defender, the
+    self-play attacker): the KL and entropy terms from the trainer's forwards under `role`'s adapter as it was when it
+    wrote them (after iteration − 1's update), in the micro-batches of `training`, and `Config.reward_weights(role)`."""
+    cfg = res.config
+    res.ensure_role(role, iteration - 1)
+    t = cfg.training
+    # both under the sampling distribution (temperature, suppressed ids), both on the trainer's kernels:
+    # KL(policy_T || base_T); the rollouts keep the sampler's own logprobs for the update's ratio
+    with res.policy.role(role):
+        terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)
+    weights = cfg.reward_weights(role)
+    reward = [
+        composite_reward(RewardTerms(h, rep, k, nov, ref, ent), weights)
+        for h, rep, k, nov, ref, ent in zip(harm, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True)
+    ]
+    return terms, reward
 
 
 @dataclass(frozen=True)
@@ -249,21 +280,15 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
         novelty = list(novelty_scores(embedded, memory))
         embeddings = embedded.tolist()
 
-    res.ensure_version(iteration - 1)  # the weights that sampled this batch
-    # both under the sampling distribution (temperature, suppressed ids), both on the trainer's kernels:
-    # KL(policy_T || base_T); the rollouts keep the sampler's own logprobs for the update's ratio
-    t = cfg.training
-    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)
     refusal = [bool(s.refusal) for s in scored]
-    weights = r.weights
-    reward = [
-        composite_reward(RewardTerms(h, rep, k, nov, ref, ent), weights)
-        for h, rep, k, nov, ref, ent in zip(harm, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True)
-    ]
+    terms, reward = learner_reward(
+        res, DEFAULT_ROLE, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refusal, spans
+    )
     turn_reward_lists = None
     if per_turn:
         turn_reward_lists = [
-            turn_rewards(answers, terminal, weights) for answers, terminal in zip(turn_harm, reward, strict=True)
+            turn_rewards(answers, terminal, cfg.reward_weights(DEFAULT_ROLE))
+            for answers, terminal in zip(turn_harm, reward, strict=True)
         ]
         # the dialogue's reward is its return from the first turn: what the per-turn policy is trained to raise
         reward = [discounted_returns(rewards, dialogue.discount)[0] for rewards in turn_reward_lists]

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from redteam_grpo.core.metrics.registry import iteration_metrics
 from redteam_grpo.core.rollouts.diagnostics import health_warnings
 from redteam_grpo.core.rollouts.dialogue import policy_rows
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution
 from redteam_grpo.core.training.train import NonFiniteUpdateError, TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir

@@ -50,14 +50,14 @@ BUG_CLASSES = [
     ),
     (
         "mask-off-by-one",
-        "core/training/masks.py",
+        "core/tokens/masks.py",
         "first_logit = offset + start - 1",
         "first_logit = offset + start",
         "tests/core/test_masks.py",
     ),
     (
         "mask-from-token-values",
-        "core/training/masks.py",
+        "core/tokens/masks.py",
         "mask[b, c : c + end - start] = True",
         "mask[b, c : c + end - start] = torch.tensor(sequence[start:end], dtype=torch.long) != pad_id",
         "tests/core/test_masks.py",
@@ -149,9 +149,10 @@ BUG_CLASSES = [
     (
         "sampler-logprobs-in-the-kl",
         "tasks/score.py",
-        "    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)",
-        "    terms = policy_terms(res.policy, prompt_ids, completion_ids, t.micro_batch_size, t.micro_batch_tokens, spans)\n"
-        "    terms.kl[:] = [float(sequence_kl(torch.tensor([lp]), torch.tensor([ref]), torch.ones(1, len(lp), dtype=torch.bool))) for lp, ref in zip(scored_rows.logprobs, terms.reference_logprobs, strict=True)]",
+        "        res, DEFAULT_ROLE, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refusal, spans\n    )",
+        "        res, DEFAULT_ROLE, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refusal, spans\n    )\n"
+        "    terms.kl[:] = [float(sequence_kl(torch.tensor([lp]), torch.tensor([ref]), torch.ones(1, len(lp), dtype=torch.bool))) for lp, ref in zip(scored_rows.logprobs, terms.reference_logprobs, strict=True)]\n"
+        "    reward = [composite_reward(RewardTerms(h, rep, k, nov, ref, ent), r.weights) for h, rep, k, nov, ref, ent in zip(harm, repetition, terms.kl, novelty, refusal, terms.entropy, strict=True)]",
         "tests/tasks/test_stages.py::test_every_stage_output_is_read_back_by_the_next_stage",
     ),
     (
@@ -531,6 +532,18 @@ BUG_CLASSES = [
         "previous, fd = _refuse_if_recorded(root, lock), -1",
         "previous, fd = _recorded_owner(root, lock), -1",
         "tests/storage/test_ownership.py::test_on_object_storage_a_record_from_another_host_is_refused_until_removed",
+    ),
+    (
+        "reward-assembled-twice",
+        "tasks/attack_score.py",
+        "        terms, reward = learner_reward(\n            res, ATTACKER, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refused\n        )",
+        "        from redteam_grpo.core.training.rewards import RewardTerms, composite_reward\n"
+        "        from redteam_grpo.tasks.score import policy_terms\n"
+        "        res.ensure_attacker(iteration - 1)\n"
+        "        with res.policy.role(ATTACKER):\n"
+        "            terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)\n"
+        "        reward = [composite_reward(RewardTerms(h, rep, k, nov), cfg.reward_weights(ATTACKER)) for h, rep, k, nov in zip(harm, repetition, terms.kl, novelty, strict=True)]",
+        "tests/flows/test_self_play.py::test_self_play_updates_both_adapters_each_on_its_own_rollouts",
     ),
     (
         "object-store-owner-record-raced",

@@ -14,8 +14,8 @@ import torch
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import span_logits
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution, token_logprobs
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution, token_logprobs
 from redteam_grpo.core.training.train import (
     FIRST_UPDATE_GATES,
     RatioCheckError,

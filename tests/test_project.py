@@ -73,6 +73,64 @@ def test_dependencies_point_one_way_and_prefect_stays_in_flows_and_tasks():
     assert not problems, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(problems)
 
 
+def _core_subfolder_imports() -> dict[str, set[str]]:
+    """core/'s subfolders and the other subfolders each imports, anywhere in its files (in functions too)."""
+    graph: dict[str, set[str]] = {}
+    for folder in sorted(p for p in (ROOT / "core").iterdir() if (p / "__init__.py").is_file()):
+        graph[folder.name] = set()
+        for path in folder.rglob("*.py"):
+            for name in _project_imports(path):
+                parts = name.split(".")
+                if parts[:2] == ["redteam_grpo", "core"] and len(parts) > 2 and (ROOT / "core" / parts[2]).is_dir():
+                    graph[folder.name].add(parts[2])
+        graph[folder.name].discard(folder.name)
+    return graph
+
+
+def test_core_subfolders_import_each_other_without_a_cycle():
+    """The subfolders are layers (tokens, then models, then rollouts, scoring and training): a cycle would make
+    every one of them need the others to be read, tested or imported first."""
+    from graphlib import CycleError, TopologicalSorter
+
+    graph = _core_subfolder_imports()
+    assert graph["tokens"] == set(), "tokens/ is the bottom layer: it imports no other subfolder"
+    try:
+        order = list(TopologicalSorter(graph).static_order())
+    except CycleError as cycle:
+        raise AssertionError(f"core/ subfolders import each other in a cycle: {' -> '.join(cycle.args[1])}") from None
+    assert order.index("models") < order.index("rollouts") < order.index("training")
+
+
+def test_k3_is_computed_in_one_place():
+    """k3 = exp(r) - 1 - r (Schulman 2020) is written once, in core/training/kl.py: the KL term of the reward, the
+    update's KL(old || new) statistic and the first update's gates all call it, so they cannot drift apart. Found
+    elsewhere: exp(r) or expm1(r), or a name bound to one in the same function, minus something."""
+    import ast
+
+    def exponential(node) -> bool:
+        called = node.func if isinstance(node, ast.Call) else None
+        return called is not None and (getattr(called, "attr", None) or getattr(called, "id", None)) in ("exp", "expm1")
+
+    found = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            bound = {
+                target.id
+                for node in ast.walk(function)
+                if isinstance(node, ast.Assign) and exponential(node.value)
+                for target in node.targets
+                if isinstance(target, ast.Name)
+            }
+            for node in ast.walk(function):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub):
+                    left = node.left
+                    if exponential(left) or (isinstance(left, ast.Name) and left.id in bound):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found and all(f.startswith("core/training/kl.py:") for f in found), sorted(set(found))
+
+
 def test_core_imports_from_the_embedded_package_only_the_resolution_of_embedded_model_names():
     import ast
 

@@ -35,8 +35,8 @@ from redteam_grpo.core.models.cpu_matmul import (
 )
 from redteam_grpo.core.models.quantization import check_attn_implementation, quantization_config
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
-from redteam_grpo.core.training.masks import PackedBatch, gather_completion_logits, pack_sequences, pack_spans
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution
+from redteam_grpo.core.tokens.masks import PackedBatch, gather_completion_logits, pack_sequences, pack_spans
 
 log = logging.getLogger(__name__)
 

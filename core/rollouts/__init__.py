@@ -1,2 +1,1 @@
-"""Rollouts: drawing completions and dialogues, the sampling distribution the trainer replays, shards, rollout
-statistics."""
+"""Rollouts: drawing completions and dialogues, shards, rollout statistics."""

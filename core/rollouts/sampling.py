@@ -25,8 +25,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from redteam_grpo.core.models.policy import Policy
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
-from redteam_grpo.core.training.masks import split_generated
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution
+from redteam_grpo.core.tokens.masks import split_generated
 
 
 class SamplingError(RuntimeError):

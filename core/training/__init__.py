@@ -1,2 +1,2 @@
-"""Training: advantages, rewards, the losses, KL, masks, micro-batches, the GRPO update (data-parallel too), SFT, early
+"""Training: advantages, rewards, the losses, KL, micro-batches, the GRPO update (data-parallel too), SFT, early
 stopping."""

@@ -20,17 +20,24 @@ from collections.abc import Sequence
 import torch
 
 from redteam_grpo.core.models.policy import Policy, completion_logits, span_logits
-from redteam_grpo.core.rollouts.logprobs import entropy, masked_mean, token_logprobs
+from redteam_grpo.core.tokens.logprobs import entropy, masked_mean, token_logprobs
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(r) - 1 - r of each log-ratio r = log q(y) - log p(y) at a token y drawn from p: an unbiased,
+    never-negative estimate of KL(p || q) at that position, 0 where the two agree. The one place it is written: the
+    reward's KL term, the update's KL(old || new) statistic and the first update's gates call it."""
+    return torch.expm1(log_ratio) - log_ratio
 
 
 def k3_kl(policy_logprobs_B_C: torch.Tensor, reference_logprobs_B_C: torch.Tensor, mask_B_C: torch.Tensor):
-    """Per-token k3 estimate, 0 outside the mask: [B, C]."""
+    """Per-token k3 estimate of KL(policy || reference), 0 outside the mask: [B, C]."""
     log_ratio = torch.where(
         mask_B_C,
         reference_logprobs_B_C - policy_logprobs_B_C,
         torch.zeros_like(mask_B_C, dtype=torch.float32),
     )
-    return torch.where(mask_B_C, torch.expm1(log_ratio) - log_ratio, torch.zeros_like(log_ratio))
+    return torch.where(mask_B_C, k3(log_ratio), torch.zeros_like(log_ratio))
 
 
 def sequence_kl(policy_logprobs_B_C: torch.Tensor, reference_logprobs_B_C: torch.Tensor, mask_B_C: torch.Tensor):

@@ -3,7 +3,7 @@
 Every loss has the signature `(logprobs_B_C, old_logprobs_B_C, advantages_B, weights_B_C, mask_B_C, ...)`:
 
 - `logprobs_B_C`: log pi_theta(y_t) of the current forward, under the sampling distribution (temperature and
-  suppressed ids applied, `core/rollouts/logprobs.py`).
+  suppressed ids applied, `core/tokens/logprobs.py`).
 - `old_logprobs_B_C`: the denominator of the importance ratio r_t = pi_theta(y_t) / pi_old(y_t). By default
   the logprobs the sampler recorded when it drew y_t (never recomputed later), so on the first update after
   sampling r_t = 1 and the gradient is the plain policy gradient A * grad log pi. With truncated importance
@@ -66,6 +66,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from redteam_grpo.core.training.kl import k3
 
 Normalization = Literal["token", "sequence", "constant"]
 
@@ -212,7 +214,7 @@ def _stats(log_ratio_B_C: torch.Tensor, mask_B_C: torch.Tensor, clipped_B_C: tor
         ratio_dev_sq_sum=float(dev.square().sum()),
         ratio_abs_dev_sum=float(dev.abs().sum()),
         ratio_max=float(dev.max()) + 1.0,
-        k3_sum=float((dev - log_ratio).sum()),
+        k3_sum=float(k3(log_ratio).sum()),
         n_clipped=int((clipped_B_C & mask_B_C).sum()),
     )
 

@@ -4,7 +4,7 @@ Each pair is formatted by `core/models/chat.py: format_sft_ids`, whose prompt pa
 ids RL samples from), so the adapter learns to answer the prompts it will see in the attack stage (bug class
 `sft-prompt-format-drift`). The target is tokenized on its own and closed with the end-of-turn token. The loss
 is the mean cross-entropy over target tokens only (the prompt is context, never a label), computed on the same
-packed layout and logits offset as the RL loss (`core/training/masks.py` through `core/models/policy.py:
+packed layout and logits offset as the RL loss (`core/tokens/masks.py` through `core/models/policy.py:
 completion_logits`).
 """
 

@@ -75,7 +75,7 @@ import torch
 
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.models.policy import Policy, span_logits
-from redteam_grpo.core.rollouts.logprobs import (
+from redteam_grpo.core.tokens.logprobs import (
     SamplingDistribution,
     entropy,
     logit_second_moment,
@@ -85,6 +85,7 @@ from redteam_grpo.core.rollouts.logprobs import (
 )
 from redteam_grpo.core.training.batching import checkpointed_layers, micro_batches
 from redteam_grpo.core.training.distributed import DataParallel
+from redteam_grpo.core.training.kl import k3
 from redteam_grpo.core.training.loss import (
     LossStats,
     gspo_loss,
@@ -515,7 +516,7 @@ class FirstUpdateDiagnostics:
             self.corrected_sequences += int(corrected_B_C.any(-1).sum())
         # the gates, in float64: a k3 of rounding noise is ~1e-9 per token
         log_ratio_B_C = torch.where(mask_B_C, logprobs_B_C.double() - forward.sample_B_C.double(), 0.0)
-        k3_B_C = torch.expm1(log_ratio_B_C) - log_ratio_B_C
+        k3_B_C = k3(log_ratio_B_C)
         assert forward.noise_scale_B_C is not None and forward.varentropy_B_C is not None, "a first update's forward"
         self.varentropy_sum += float(torch.where(mask_B_C, forward.varentropy_B_C, 0.0).sum())
         scale_B_C = torch.where(mask_B_C, forward.noise_scale_B_C.double(), 0.0)

@@ -20,9 +20,9 @@ from redteam_grpo.core.rollouts.dialogue import (
     sample_dialogues,
     speaker_row,
 )
-from redteam_grpo.core.rollouts.logprobs import token_logprobs
 from redteam_grpo.core.rollouts.sampling import sample_completions
-from redteam_grpo.core.training.masks import pack_spans
+from redteam_grpo.core.tokens.logprobs import token_logprobs
+from redteam_grpo.core.tokens.masks import pack_spans
 from redteam_grpo.embedded.policy import CHAT_TEMPLATE
 
 SYSTEM = "You are a helpful assistant."

@@ -20,7 +20,7 @@ import torch
 
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
 from redteam_grpo.core.models.policy import load_policy
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution
 from redteam_grpo.core.training.train import (
     KL_BOUND_WIDTH_COEF,
     RatioCheckError,

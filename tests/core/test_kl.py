@@ -5,8 +5,8 @@ import torch
 
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import completion_logits
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution
 from redteam_grpo.core.training.kl import k3_kl, policy_reference_logprobs, sequence_kl
 
 PROMPTS = [

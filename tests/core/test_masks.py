@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from redteam_grpo.core.training.masks import gather_completion_logits, pack_sequences, split_generated
+from redteam_grpo.core.tokens.masks import gather_completion_logits, pack_sequences, split_generated
 
 PAD = 0
 EOS = 9

@@ -204,7 +204,7 @@ def test_a_policy_left_in_training_mode_is_refused(tiny_policy):
 
 
 def test_trainer_replays_token_suppression_of_the_sampler(tiny_policy):
-    from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
+    from redteam_grpo.core.tokens.logprobs import SamplingDistribution
 
     # Suppress a large share of the vocabulary: a trainer that ignored suppression would be far from ratio 1.
     vocab = len(tiny_policy.tokenizer)

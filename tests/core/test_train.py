@@ -10,8 +10,8 @@ import torch
 from redteam_grpo.core.config import TrainingConfig
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import completion_logits
-from redteam_grpo.core.rollouts.logprobs import token_logprobs
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.tokens.logprobs import token_logprobs
 from redteam_grpo.core.training.loss import gspo_loss, importance_sampling_loss, ppo_clip_loss
 from redteam_grpo.core.training.train import (
     NonFiniteUpdateError,

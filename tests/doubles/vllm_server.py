@@ -35,8 +35,8 @@ from transformers import AutoModelForCausalLM
 
 from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.models.policy import Policy, load_tokenizer, resolve_model_name
-from redteam_grpo.core.rollouts.logprobs import SamplingDistribution
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.tokens.logprobs import SamplingDistribution
 
 NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0}
 

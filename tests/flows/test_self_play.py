@@ -35,8 +35,21 @@ def _self_play(tmp_path, run_id: str, *overrides: str) -> RunDir:
     return RunDir.open(Path(defense_run(config=cfg.model_dump(mode="json"))))
 
 
-def test_self_play_updates_both_adapters_each_on_its_own_rollouts(tmp_path):
-    run = _self_play(tmp_path, "sp", "run.iterations=2")
+def test_self_play_updates_both_adapters_each_on_its_own_rollouts(tmp_path, monkeypatch):
+    # every learner's reward is assembled by one function: the attacker's KL and entropy forwards keep the
+    # micro-batches' token cap as the defender's do (a copy of the assembly once passed no cap)
+    from redteam_grpo.tasks import score
+
+    caps: list[int | None] = []
+
+    def recording(rows, lengths, size, tokens=None):
+        caps.append(tokens)
+        return score_micro_batches(rows, lengths, size, tokens)
+
+    score_micro_batches = score.micro_batches
+    monkeypatch.setattr(score, "micro_batches", recording)
+    run = _self_play(tmp_path, "sp", "run.iterations=2", "training.micro_batch_tokens=4096")
+    assert len(caps) == 4 and set(caps) == {4096}, caps  # two iterations, the defender's rows and the attacker's
     recorded = {k.split("/")[1] for k in run.manifest()["stages"] if k.startswith("1/")}
     assert recorded == {
         "attack",

@@ -7,8 +7,8 @@ import torch
 from redteam_grpo.core.config import ModelConfig
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import load_policy
-from redteam_grpo.core.rollouts.logprobs import pad_ragged
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.tokens.logprobs import pad_ragged
 from redteam_grpo.core.training.kl import sequence_kl
 from redteam_grpo.tasks.score import policy_terms
 
