@@ -159,7 +159,7 @@ def _train(
         keep_tracebacks_off_console()
     stop_api_server_with_this_process()  # Prefect's temporary API server must not outlive a killed CLI
     from redteam_grpo.cli.signals import StopOnSignal
-    from redteam_grpo.flows.attack import with_run_id
+    from redteam_grpo.flows.runner import with_run_id
 
     if cfg is not None and resume is None:
         cfg = with_run_id(cfg)  # the folder is known before the run starts, to name it if the run is stopped
@@ -232,8 +232,9 @@ def _run_with_progress(cfg, resume: str | None, redo: str | None, stop, mode: st
     turned into one line by `user_errors`; a stop signal into the resume hint and the signal's exit status."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from redteam_grpo.flows.attack import STOP_EXCEPTIONS, attack_run, signal_of
+    from redteam_grpo.flows.attack import attack_run
     from redteam_grpo.flows.defense import defense_run
+    from redteam_grpo.flows.runner import STOP_EXCEPTIONS, signal_of
     from redteam_grpo.flows.sft import sft_run
     from redteam_grpo.storage.modes import mode_named
 

@@ -79,7 +79,7 @@ class StopOnSignal:
             # and bounded in time; raising again would only cut the manifest update short.
             return
         self._raised = True
-        from redteam_grpo.flows.attack import stop_exception
+        from redteam_grpo.flows.runner import stop_exception
 
         raise stop_exception(signum)
 

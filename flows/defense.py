@@ -21,7 +21,7 @@ from typing import Any
 
 from prefect import flow
 
-from redteam_grpo.flows.attack import run_mode
+from redteam_grpo.flows.runner import run_mode
 from redteam_grpo.storage.modes import DEFENSE_MODE
 
 

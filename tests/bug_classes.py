@@ -43,7 +43,7 @@ BUG_CLASSES = [
     ),
     (
         "resume-ignores-damaged-files",
-        "flows/attack.py",
+        "flows/runner.py",
         "        run.verify_all()",
         "        pass",
         "tests/flows/test_attack_flow.py::test_a_damaged_checkpoint_is_never_trained_on_and_redo_recomputes_it_bit_for_bit",

@@ -31,12 +31,12 @@ def test_the_embedded_attacker_prompt_is_the_configs():
 
 def test_a_flow_refuses_a_config_of_another_mode(tmp_path):
     from redteam_grpo.core.config import ConfigError
-    from redteam_grpo.flows.attack import requested_config
+    from redteam_grpo.flows.runner import requested_config
     from redteam_grpo.storage.modes import DEFENSE_MODE
 
     cfg = load_config(None, [f"run.runs_dir={tmp_path}"], mode="sft")
     try:
-        requested_config(cfg.model_dump(mode="json"), None, None, mode=DEFENSE_MODE)
+        requested_config(cfg.model_dump(mode="json"), None, None, None, DEFENSE_MODE)
     except ConfigError as exc:
         assert "redteam-grpo sft" in str(exc)
     else:

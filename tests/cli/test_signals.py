@@ -10,7 +10,7 @@ import time
 import pytest
 
 from redteam_grpo.cli.signals import StopOnSignal
-from redteam_grpo.flows.attack import STOP_EXCEPTIONS
+from redteam_grpo.flows.runner import STOP_EXCEPTIONS
 from redteam_grpo.storage.interrupts import STOP_SIGNALS
 from tests.processes import dispositions, handlers
 
