@@ -30,6 +30,7 @@ from redteam_grpo.core.config import (
 from redteam_grpo.core.data.sources import Prompt, check_prompt_lengths, load_prompts
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import check_model_available, load_tokenizer
+from redteam_grpo.core.models.roles import ATTACKER
 from redteam_grpo.core.scoring.backend import preflight
 from redteam_grpo.core.training.stopping import early_stop
 from redteam_grpo.flows.deployment_guard import check_run_request, from_a_deployment
@@ -53,7 +54,7 @@ def models_in_use(cfg: Config) -> list[tuple[str, str]]:
         models.append(("reward.scorer", cfg.reward.scorer))
         if cfg.reward.refusal_classifier is not None:
             models.append(("reward.refusal_classifier", cfg.reward.refusal_classifier))
-    if mode.attacker and cfg.defense.self_play and cfg.reward.embedder != PACKAGED_MINILM:
+    if ATTACKER in mode.learning_roles(cfg) and cfg.reward.embedder != PACKAGED_MINILM:  # its novelty's
         models.append(("reward.embedder", cfg.reward.embedder))
     return models
 
@@ -76,7 +77,7 @@ def check_inputs(cfg: Config, run: RunDir | None = None) -> None:
         prompts = [Prompt(p.pair_id, p.input_text) for p in training_pairs(cfg)]
     else:
         prompts = load_prompts(cfg.data)
-    system_prompt = _attacker_prompt(cfg, run) if mode.attacker else cfg.model.system_prompt
+    system_prompt = _attacker_prompt(cfg, run) if ATTACKER in mode.roles else cfg.model.system_prompt
     tokenizer = load_tokenizer(cfg.model)
     prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
     check_prompt_lengths(prompts, prompt_ids, cfg.model.max_prompt_tokens)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.names import is_relative_name
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.location import local_copy, location
@@ -24,6 +25,11 @@ ADAPTER_FILE = "adapter.safetensors"
 ATTACKER_FILE = "attacker.safetensors"  # defense: the attacker's adapter (initial checkpoint; self-play: every one)
 ATTACKER_OPTIMIZER_FILE = "attacker_optimizer.safetensors"  # self-play: the attacker's optimizer state
 OPTIMIZER_FILE = "optimizer.safetensors"
+# each role's adapter and optimizer files in a checkpoint folder
+ROLE_FILES: dict[str, tuple[str, str]] = {
+    DEFAULT_ROLE: (ADAPTER_FILE, OPTIMIZER_FILE),
+    ATTACKER: (ATTACKER_FILE, ATTACKER_OPTIMIZER_FILE),
+}
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 

@@ -1,9 +1,10 @@
 """The modes of the pipeline, declared once: each a record of the stages one iteration runs and what else differs.
 
 `flows/iteration.py` runs `mode.stages(config)` in order, whatever the mode; the tasks ask the record, never the
-mode's name, what to do differently (where the policy's prompts come from, whether an attacker's adapter sits beside
-the policy on the base, which learners GRPO updates). Adding a mode is one `Mode` record here plus its new stages
-(`storage/stages.py`) and their tasks (`flows/iteration.py: STAGE_TASKS`).
+mode's name, what to do differently (where the policy's prompts come from, which adapters sit on the base and
+which of them learn, which learners GRPO updates; self-play is the defense record with two learners). Adding a mode
+is one `Mode` record here plus its new stages (`storage/stages.py`) and their tasks (`flows/iteration.py:
+STAGE_TASKS`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 from redteam_grpo.core.config import Config, ConfigError, mode_defaults
 from redteam_grpo.core.metrics.registry import log_line
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.storage.stages import (
     ATTACK,
     ATTACKER_LEARNER,
@@ -46,7 +48,7 @@ class Mode:
     progress: str  # the metric the progress bar shows
     data: Literal["prompts", "pairs"]  # what data.source holds: prompts, or SFT's (input, target) pairs
     prompts: Stage | None  # where the policy's prompts come from: a stage's output, or None: data.source drawn
-    attacker: bool  # an attacker's adapter beside the policy's on the one base (its checkpoint files too)
+    roles: tuple[str, ...]  # the adapters on the one base, the trained policy's first (defense: the attacker's beside)
     early_stopping: bool  # run.early_stop_* apply
     artifacts: bool  # each iteration publishes its metrics and top completions as a Prefect artifact
     evaluation: Literal["redteam", "defense"] | None  # what `evaluate` measures on its checkpoints (None: refused)
@@ -63,6 +65,13 @@ class Mode:
         if self.own_update is not None:
             stages.append(self.own_update)
         return (*stages, CHECKPOINT)
+
+    def learning_roles(self, cfg: Config) -> tuple[str, ...]:
+        """The roles whose weights change from iteration to iteration: GRPO's learners, and the policy a mode's own
+        update trains (SFT). Any other role on the base keeps its initial checkpoint's weights (defense's attacker
+        without self-play)."""
+        learning = tuple(learner.role for learner in self.learners(cfg))
+        return learning if self.own_update is None else (DEFAULT_ROLE, *learning)
 
     def update_stages(self, cfg: Config) -> tuple[Stage, ...]:
         """Every stage that writes weights into an iteration's checkpoint folder."""
@@ -86,7 +95,7 @@ ATTACK_MODE = Mode(
     progress="reward_mean",
     data="prompts",
     prompts=None,
-    attacker=False,
+    roles=(DEFAULT_ROLE,),
     early_stopping=True,
     artifacts=True,
     evaluation="redteam",
@@ -104,7 +113,7 @@ DEFENSE_MODE = Mode(
     progress="reward_mean",
     data="prompts",
     prompts=ATTACK,
-    attacker=True,
+    roles=(DEFAULT_ROLE, ATTACKER),
     early_stopping=True,
     artifacts=True,
     evaluation="defense",
@@ -122,7 +131,7 @@ SFT_MODE = Mode(
     progress="train_loss",
     data="pairs",
     prompts=None,
-    attacker=False,
+    roles=(DEFAULT_ROLE,),
     early_stopping=False,
     artifacts=False,
     evaluation=None,

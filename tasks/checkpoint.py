@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.models.roles import ATTACKER
+from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.storage import checkpoints, interrupts
 from redteam_grpo.storage.lineage import LineageError, parent_checkpoint_dir, read_lineage
 from redteam_grpo.storage.location import remove_tree
@@ -120,7 +120,7 @@ def initialize_stage(run_dir: str) -> str:
         return str(folder)
     except checkpoints.CheckpointError:
         pass
-    if res.version not in (None, INIT_VERSION):
+    if res.roles[DEFAULT_ROLE].version not in (None, INIT_VERSION):
         raise RuntimeError("the initial checkpoint is missing but the policy has already been trained")
     info = _checkpoint_info(res, INIT_VERSION)
     parent = parent_adapter(res, info)
@@ -130,14 +130,14 @@ def initialize_stage(run_dir: str) -> str:
         stage_logger().info("run %s starts from the adapter of %s", res.run.run_id, info["parent_checkpoint"])
     folder.mkdir(parents=True, exist_ok=True)
     checkpoints.save_adapter(folder / checkpoints.ADAPTER_FILE, res.policy.adapter_state())
-    if mode_of(res.config).attacker:
+    if ATTACKER in mode_of(res.config).roles:
         attacker_file, info["attacker"] = attacker_adapter(res)
         if attacker_file is not None:
             res.policy.load_adapter(attacker_file, ATTACKER)
-        # what is saved here is what every stage loads (`RunResources.ensure_attacker`, with its optimizer)
+        # what is saved here is what every stage loads (`RunResources.ensure_role`, with its optimizer)
         checkpoints.save_adapter(folder / checkpoints.ATTACKER_FILE, res.policy.adapter_state(ATTACKER))
     checkpoints.write_manifest(folder, info)
-    res.version = INIT_VERSION
+    res.holds(DEFAULT_ROLE, INIT_VERSION)
     return str(folder)
 
 

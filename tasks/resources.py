@@ -16,7 +16,7 @@ import torch
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data.sources import Prompt, load_prompts
 from redteam_grpo.core.models.policy import Policy, load_policy, resolve_device
-from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.scoring.backend import ScoringBackend
 from redteam_grpo.core.training.train import make_optimizer
 from redteam_grpo.server.vllm_client import PEFT_ADAPTER_FILE, VllmSampler, adapter_name
@@ -31,16 +31,22 @@ from redteam_grpo.tasks.scoring import scoring_backend
 
 
 @dataclass
+class RoleWeights:
+    """One adapter on the base, in this process: the iteration whose update made the weights in memory (None: the
+    fresh LoRA init, tied to no checkpoint; -1: the initial checkpoint's) and, where the role learns, its optimizer."""
+
+    version: int | None = None
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+
+
+@dataclass
 class RunResources:
     run: RunDir
     config: Config
     device: torch.device
     policy: Policy
-    optimizer: torch.optim.Optimizer
-    version: int | None = None  # None: the fresh LoRA init, not yet tied to a checkpoint
+    roles: dict[str, RoleWeights]  # every adapter on the base (storage/modes.py: Mode.roles), looked up by role
     _scoring: ScoringBackend | None = field(default=None, repr=False)
-    attacker_version: int | None = None  # defense: the iteration whose update made the attacker in memory (-1: initial)
-    attacker_optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)  # self-play only
     _embedder: object | None = field(default=None, repr=False)
     _prompts: list[Prompt] | None = field(default=None, repr=False)
     _vllm: VllmSampler | None = field(default=None, repr=False)
@@ -70,21 +76,41 @@ class RunResources:
         return checkpoints.read_manifest(self.run.checkpoint_dir(INIT_VERSION))["attacker"]["system_prompt"]
 
     def optimizer_for(self, role: str) -> torch.optim.Optimizer:
-        return self.optimizer if role == DEFAULT_ROLE else self.attacker_optimizer
+        optimizer = self.roles[role].optimizer
+        if optimizer is None:
+            raise RuntimeError(f"the {role!r} adapter does not learn in this {self.config.run.mode} run: no optimizer")
+        return optimizer
 
     def ensure_role(self, role: str, version: int) -> None:
-        """`role`'s adapter and optimizer in memory as they were after iteration `version`'s update."""
-        if role == DEFAULT_ROLE:
-            self.ensure_version(version)
-        else:
-            self.ensure_attacker(version)
+        """`role`'s adapter, and its optimizer where it learns, in memory as they were after iteration `version`'s
+        update (-1: the initial checkpoint). A role that does not learn (defense's attacker without self-play) holds
+        its initial checkpoint's weights at every version."""
+        cfg = self.config
+        learns = role in mode_of(cfg).learning_roles(cfg)
+        wanted = version if learns else INIT_VERSION
+        held = self.roles[role]
+        if wanted == held.version:
+            return
+        folder = self.run.checkpoint_dir(wanted)
+        self._check_checkpoint(folder, wanted)
+        adapter_file, optimizer_file = checkpoints.ROLE_FILES[role]
+        self.policy.load_adapter(folder / adapter_file, role)
+        if learns:
+            with self.policy.role(role):
+                if wanted == INIT_VERSION or held.optimizer is None:
+                    held.optimizer = make_optimizer(self.policy, cfg.training)
+            if wanted != INIT_VERSION:
+                checkpoints.load_optimizer(folder / optimizer_file, held.optimizer)
+        held.version = wanted
+
+    def ensure_version(self, version: int) -> None:
+        """Every adapter on the base, with its optimizer, as after iteration `version`'s update (-1: initial)."""
+        for role in reversed(mode_of(self.config).roles):  # the policy's last, as its stages expect it active
+            self.ensure_role(role, version)
 
     def holds(self, role: str, version: int | None) -> None:
         """Record that memory holds `role`'s weights after iteration `version` (None: weights no checkpoint has)."""
-        if role == DEFAULT_ROLE:
-            self.version = version
-        else:
-            self.attacker_version = version
+        self.roles[role].version = version
 
     @property
     def embedder(self):
@@ -94,26 +120,6 @@ class RunResources:
 
             self._embedder = SentenceEmbedder(self.config.reward.embedder, self.device, self.config.reward.batch_size)
         return self._embedder
-
-    def ensure_attacker(self, version: int) -> None:
-        """Defense: the attacker in memory as it was after iteration `version`'s update. A frozen attacker is the
-        initial checkpoint's at every version; in self-play its adapter and optimizer are the checkpoint's."""
-        cfg = self.config
-        if not mode_of(cfg).attacker:
-            return
-        wanted = version if cfg.defense.self_play else INIT_VERSION
-        if wanted == self.attacker_version:
-            return
-        folder = self.run.checkpoint_dir(wanted)
-        self._check_checkpoint(folder, wanted)
-        self.policy.load_adapter(folder / checkpoints.ATTACKER_FILE, ATTACKER)
-        if cfg.defense.self_play:
-            with self.policy.role(ATTACKER):
-                if wanted == INIT_VERSION or self.attacker_optimizer is None:
-                    self.attacker_optimizer = make_optimizer(self.policy, cfg.training)
-                if wanted != INIT_VERSION:
-                    checkpoints.load_optimizer(folder / checkpoints.ATTACKER_OPTIMIZER_FILE, self.attacker_optimizer)
-        self.attacker_version = wanted
 
     def _check_checkpoint(self, folder: Path, version: int) -> None:
         try:
@@ -158,20 +164,6 @@ class RunResources:
         self._served[role] = name
         return name
 
-    def ensure_version(self, version: int) -> None:
-        """Put the adapter and optimizer of `version` (-1: initial) in memory (and, in defense, the attacker)."""
-        self.ensure_attacker(version)
-        if version == self.version:
-            return
-        folder = self.run.checkpoint_dir(version)
-        self._check_checkpoint(folder, version)
-        self.policy.load_adapter(folder / checkpoints.ADAPTER_FILE)
-        if version == INIT_VERSION:
-            self.optimizer = make_optimizer(self.policy, self.config.training)
-        else:
-            checkpoints.load_optimizer(folder / checkpoints.OPTIMIZER_FILE, self.optimizer)
-        self.version = version
-
 
 _CACHE: dict[Path, RunResources] = {}
 
@@ -188,10 +180,12 @@ def resources_for(run_dir: str | Path, session: str | None = None) -> RunResourc
         config = run.stored_config()
         device = resolve_device(config.run.device)
         policy = load_policy(config.model, config.sampling.temperature, device, config.run.seed)
-        if mode_of(config).attacker:
-            # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's attacker is loaded
-            policy.add_role(ATTACKER)
-        _CACHE[root] = RunResources(run, config, device, policy, make_optimizer(policy, config.training))
+        roles = {DEFAULT_ROLE: RoleWeights(optimizer=make_optimizer(policy, config.training))}
+        for role in mode_of(config).roles[1:]:
+            # zero-initialised (LoRA B = 0): the base, until the initial checkpoint's weights are loaded
+            policy.add_role(role)
+            roles[role] = RoleWeights()
+        _CACHE[root] = RunResources(run, config, device, policy, roles)
         if session is not None:
             _CACHE[root].session = session
     return _CACHE[root]

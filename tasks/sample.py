@@ -32,7 +32,7 @@ from redteam_grpo.core.rollouts.shards import shard_seed, shard_span
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ATTACK, SAMPLE, Stage
+from redteam_grpo.storage.stages import SAMPLE, Stage
 from redteam_grpo.tasks.common import run_sharded_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import RunResources, resources_for
@@ -120,7 +120,7 @@ def engine_turns(res: RunResources, iteration: int):
     base without one (attack mode's frozen attacker). The ids go as they are, one request per turn."""
     cfg, policy = res.config, res.policy
     names = {POLICY_SPEAKER: res.vllm_adapter(iteration - 1)}
-    if mode_of(cfg).attacker:
+    if ATTACKER in mode_of(cfg).roles:  # the attacker speaks through its adapter on the base
         names[ATTACKER_SPEAKER] = res.vllm_adapter(iteration - 1, ATTACKER)
     else:  # the served base's name: the model the server was started with
         names[ATTACKER_SPEAKER] = resolve_model_name(cfg.model.policy)
@@ -159,8 +159,9 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
     glue = TurnGlue.from_tokenizer(tokenizer, policy.end_of_turn_ids)
     policy_prompts = [format_prompt_ids(tokenizer, p.text, cfg.model.system_prompt) for p in prompts]
     check_prompt_lengths(list(prompts), policy_prompts, cfg.model.max_prompt_tokens)
-    if mode_of(cfg).attacker:
-        attacks = res.run.read(ATTACK, iteration).to_pydict()
+    first_turns = mode_of(cfg).prompts  # the stage whose rows are each dialogue's first turn, or none
+    if first_turns is not None:
+        attacks = res.run.read(first_turns, iteration).to_pydict()
         first_turn = {
             f"{goal}{ATTACK_PROMPT_SEPARATOR}{idx}": glue.continued(prompt, completion, finish)
             for goal, idx, prompt, completion, finish in zip(

@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data.pairs import Pair, load_pairs, split_pairs
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import sft_epoch, sft_examples
 from redteam_grpo.storage import checkpoints, schemas
@@ -51,7 +52,7 @@ def sft_train_stage(run_dir: str, iteration: int) -> str:
         res.ensure_version(iteration - 1)
         stats = sft_epoch(
             res.policy,
-            res.optimizer,
+            res.optimizer_for(DEFAULT_ROLE),
             as_examples(train),
             as_examples(held_out),
             cfg.sft.batch_size,
@@ -60,8 +61,8 @@ def sft_train_stage(run_dir: str, iteration: int) -> str:
             derive_seed(cfg.run.seed, "sft", iteration),
         )
         checkpoints.save_adapter(weights[0], res.policy.adapter_state())
-        checkpoints.save_optimizer(weights[1], res.optimizer)
-        res.version = iteration
+        checkpoints.save_optimizer(weights[1], res.optimizer_for(DEFAULT_ROLE))
+        res.holds(DEFAULT_ROLE, iteration)
         row = {**dataclasses.asdict(stats), "seconds": time.perf_counter() - started}
         table = schemas.to_table(
             {"run_id": [run.run_id], "iteration": [iteration], **{k: [v] for k, v in row.items()}},

@@ -539,7 +539,7 @@ BUG_CLASSES = [
         "        terms, reward = learner_reward(\n            res, ATTACKER, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refused\n        )",
         "        from redteam_grpo.core.training.rewards import RewardTerms, composite_reward\n"
         "        from redteam_grpo.tasks.score import policy_terms\n"
-        "        res.ensure_attacker(iteration - 1)\n"
+        "        res.ensure_role(ATTACKER, iteration - 1)\n"
         "        with res.policy.role(ATTACKER):\n"
         "            terms = policy_terms(res.policy, prompt_ids, completion_ids, cfg.training.micro_batch_size)\n"
         "        reward = [composite_reward(RewardTerms(h, rep, k, nov), cfg.reward_weights(ATTACKER)) for h, rep, k, nov in zip(harm, repetition, terms.kl, novelty, strict=True)]",

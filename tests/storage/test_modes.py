@@ -74,3 +74,29 @@ def test_no_stage_task_or_flow_compares_the_mode_by_name():
                 if re.search(r"mode\s*(==|!=)|is ATTACKER_LEARNER|is POLICY\b", line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, found
+
+
+def test_each_record_names_the_adapters_on_its_base_and_those_that_learn():
+    from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+
+    def roles(mode: str, *overrides: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        cfg = load_config(None, list(overrides), mode=mode)
+        return mode_of(cfg).roles, mode_of(cfg).learning_roles(cfg)
+
+    assert roles("attack") == ((DEFAULT_ROLE,), (DEFAULT_ROLE,))
+    assert roles("sft") == ((DEFAULT_ROLE,), (DEFAULT_ROLE,))  # its own update trains the policy
+    assert roles("defense") == ((DEFAULT_ROLE, ATTACKER), (DEFAULT_ROLE,))  # the attacker frozen beside it
+    self_play = roles("defense", "defense.self_play=true", "defense.prompts_per_goal=2")
+    assert self_play == ((DEFAULT_ROLE, ATTACKER), (DEFAULT_ROLE, ATTACKER))
+
+
+def test_self_play_is_read_by_the_defense_record_alone():
+    """Self-play is the defense mode with two learners: a task or flow that reads the setting itself is a branch the
+    record no longer decides."""
+    found = []
+    for folder in ("storage", "tasks", "flows"):
+        for path in (ROOT / folder).glob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"\w\.defense\.self_play\b", line) and path.name != "modes.py":
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, found

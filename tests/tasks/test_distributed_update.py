@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from redteam_grpo.core.config import load_config
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.training.train import RatioCheckError
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir
@@ -72,7 +73,7 @@ def test_torchrun_update_equals_the_single_process_update(tmp_path):
             assert two[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
         # the stage's process reloads the new weights from the checkpoint when it needs them
         res = resources.resources_for(parallel.root)
-        assert res.version is None
+        assert res.roles[DEFAULT_ROLE].version is None
         res.ensure_version(0)
         for key, value in res.policy.adapter_state().items():
             torch.testing.assert_close(value, load_file(parallel.checkpoint_dir(0) / checkpoints.ADAPTER_FILE)[key])
