@@ -13,7 +13,9 @@ flow-run and task-run overhead.
     python bench/orchestration.py [--iterations 6] [--set sampling.max_new_tokens=64 ...]
 
 Prints the ratio pipeline / plain (target <= 1.10 on the default config) and the share of Parquet I/O in an
-iteration (target < 2 %).
+iteration (target < 2 %). With 40 iterations or more, also the cost per iteration against the run's length: the
+median seconds per iteration of iterations 1-10 and of the last ten, in both runs (what the run directory records
+must not make a long run's iterations slower: target <= 1.05 for the pipeline, beside the plain loop's own drift).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,7 +89,7 @@ def per_iteration(starts: list[float], end: float) -> list[float]:
 
 
 def child_pipeline(iterations: int, overrides: list[str]) -> dict:
-    from redteam_grpo.flows import attack, iteration
+    from redteam_grpo.flows import attack, iteration, runner
     from redteam_grpo.storage import rundir
     from redteam_grpo.tasks import advantage, artifacts, checkpoint, common, sample, score, train_step
 
@@ -117,9 +120,9 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
             return iteration_body(run_dir, run_id, iteration)
 
     iteration.iteration_flow.fn = iteration.iteration_task.fn = marked_iteration
-    runner_for = attack.iteration_runner
+    runner_for = runner.iteration_runner
     # around the iteration's call: creating its task run (or subflow run), its states and its end, less the body
-    attack.iteration_runner = lambda runtime: clock.wrap("iteration run", runner_for(runtime))
+    runner.iteration_runner = lambda runtime: clock.wrap("iteration run", runner_for(runtime))
     with tempfile.TemporaryDirectory() as runs:
         attack.attack_run(
             overrides=[
@@ -128,6 +131,7 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
                 f"run.runs_dir={runs}",
                 "run.run_id=bench",
                 "run.early_stop_reward=null",
+                "run.early_stop_repetition=null",  # every iteration runs, as in the plain loop
             ]
         )
         end = time.perf_counter()
@@ -273,6 +277,18 @@ def main() -> None:
     parquet = categories["parquet write"] + categories["parquet read"]
     console.print(f"pipeline / plain: [bold]{pipeline_s / plain_s:.2f}x[/] (target <= 1.10)")
     console.print(f"Parquet I/O share of an iteration: [bold]{100 * parquet / pipeline_s:.2f} %[/] (target < 2 %)")
+    if args.iterations >= 40:
+        n = args.iterations
+
+        def drift(seconds: list[float]) -> tuple[float, float]:  # iterations 1-10 and n-10..n-1 (iteration 0 is out)
+            return statistics.median(seconds[:10]), statistics.median(seconds[-10:])
+
+        for name, run in (("plain loop", plain), ("Prefect pipeline", pipeline)):
+            early, late = drift(run["iteration_seconds"])
+            console.print(
+                f"{name}: median s / iteration {early:.3f} at iterations 1-10, {late:.3f} at {n - 10}-{n - 1}: "
+                f"[bold]{late / early:.2f}x[/]"
+            )
     console.print(f"overrides: {' '.join(args.overrides) or '(embedded defaults)'}")
 
 

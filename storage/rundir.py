@@ -2,7 +2,8 @@
 
     runs/<run_id>/
       config.json                 the resolved config (a resumed run must match it)
-      manifest.json               completed stages with their files' sha256, run status
+      manifest.json               the run's identity and status, the stages of the iteration in progress
+      iter_0000/records.json      a sealed iteration's completed stages with their files' sha256, written once
       iter_0000/rollouts.parquet  scores.parquet  advantages.parquet  train_metrics.parquet
       iter_0000/rollouts-00000-of-00004.parquet ...   runtime.shards=4: one part per shard (the manifest lists them)
       checkpoints/init/           the adapter before any update (LoRA init is random)
@@ -16,10 +17,14 @@ what an interrupted `create` leaves (config.json, owner.lock, temporary files) i
 it over and `open` says how to start it again. The process that runs stages owns the folder (owner.lock,
 storage/ownership.py).
 
-Each sealed checkpoint keeps a copy of the manifest's stage records as they stood when it was sealed (`RUN_RECORD`
-in its manifest), so a damaged manifest.json is rebuilt from the newest intact checkpoint (`rebuild_manifest`,
-`redteam-grpo rebuild-manifest RUN`): every iteration up to it is recovered with its checksums and statistics, the
-stages after it are computed again by the next resume.
+The records of an iteration move out of manifest.json into the iteration's `records.json` when it is sealed, and
+manifest.json keeps only which stages each sealed iteration recorded: what is rewritten after every stage stays the
+same size however long the run, and each record is written once (a run format before 12 kept every record in
+manifest.json, rewritten after every stage, and copied it whole into every checkpoint: quadratic in the run's
+length). Each sealed checkpoint keeps a copy of its own iteration's records and of the run's identity (`RUN_RECORD`
+in its manifest), so a damaged manifest.json or records.json is rebuilt from the checkpoints (`rebuild_manifest`,
+`redteam-grpo rebuild-manifest RUN`): every iteration up to the newest intact checkpoint is recovered with its
+checksums and statistics, the stages after it are computed again by the next resume.
 """
 
 from __future__ import annotations
@@ -44,8 +49,12 @@ from redteam_grpo.storage.modes import MODES, mode_of
 from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 11
+RUN_FORMAT = 12
 FORMAT_CHANGES = {
+    11: (
+        "a sealed iteration's stage records moved from manifest.json to its iter_NNNN/records.json, and a checkpoint "
+        "keeps a copy of its own iteration's records only"
+    ),
     10: (
         "train_metrics.parquet gained the first-update check's gates (sampler_kl_first_token, _last_token, "
         "_turn_boundary, _sequence, each with its _bound) and varentropy; the bound follows the varentropy of the "
@@ -87,9 +96,10 @@ OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/o
 DERIVED_FILE = "derived.lock"  # held by what writes evaluations, exports and reports into the run
 # What a `create` interrupted before its manifest write can leave in the folder.
 _CREATION_LEFTOVERS = ("config.json", OWNER_FILE)
-RUN_RECORD = "run_record"  # a checkpoint manifest's copy of the run manifest at sealing (rebuild_manifest)
+RUN_RECORD = "run_record"  # a checkpoint manifest's copy of its iteration's records and the run's identity
+RECORDS_FILE = "records.json"  # a sealed iteration's stage records, in its folder
 # What the manifest says of the run's state rather than of its files: not copied into checkpoints, set by a resume.
-_STATE_KEYS = ("status", "shards", "stop_kind", "stop_reason", "interrupted_by", "rebuilt_from")
+_STATE_KEYS = ("status", "shards", "stop_kind", "stop_reason", "interrupted_by", "rebuilt_from", "sealed")
 
 
 def command_for(root: Path) -> str:
@@ -137,6 +147,25 @@ def _parse_manifest_key(key: str) -> tuple[int, str]:
     return int(iteration), stage
 
 
+def _stage_names(records: dict[str, Any]) -> tuple[str, ...]:
+    """The stages an iteration's records hold, in pipeline order."""
+    return tuple(sorted({_parse_manifest_key(key)[1] for key in records}, key=_STAGE_ORDER.__getitem__))
+
+
+def _sealed_index(manifest: dict[str, Any]) -> dict[int, tuple[str, ...]]:
+    """manifest.json's 'sealed', by iteration: the stages each sealed iteration recorded. Stored grouped by those
+    stages ({"sample score ... checkpoint": [0, 1, ...]}), ~10 bytes an iteration, as they are the same in almost
+    every iteration."""
+    return {number: tuple(names.split()) for names, numbers in manifest["sealed"].items() for number in numbers}
+
+
+def _set_sealed(manifest: dict[str, Any], index: dict[int, tuple[str, ...]]) -> None:
+    grouped: dict[str, list[int]] = {}
+    for number in sorted(index):
+        grouped.setdefault(" ".join(index[number]), []).append(number)
+    manifest["sealed"] = grouped
+
+
 def _is_temporary(path: Path) -> bool:
     return path.name.startswith(TMP_PREFIX)
 
@@ -152,6 +181,8 @@ class DamagedRunError(RunDirError):
 # sha256 of files already checked by this process, by what changes when the file changes (a local file's path,
 # inode, size, mtime and ctime; a remote one's size, modification time and ETag): hashed once per change.
 _DIGESTS: dict[tuple[Any, ...], str] = {}
+# sealed iterations' records read by this process, by file: (what changes when the file changes, the records)
+_RECORDS: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
 
 def file_digest(path: Path) -> str | None:
@@ -172,7 +203,7 @@ _REMOTE_SAMPLER_DIRS: dict[str, Path] = {}  # a remote run's local adapter folde
 def _check_names(manifest: dict[str, Any]) -> None:
     """Every name the manifest records that becomes a path stays inside the run (core/names.py): a manifest that
     names `../elsewhere` or `/etc/x` as a file, part or parent run is damaged (or crafted), never followed."""
-    records = list(manifest["stages"].values())
+    records = list(manifest.get("stages", {}).values())
     for shards in (manifest.get("shards") or {}).values():
         records += list(shards.values()) if isinstance(shards, dict) else [shards]
     for record in records:
@@ -291,7 +322,7 @@ class RunDir:
 
     def table_paths(self, stage: Stage, iteration: int) -> list[Path]:
         """The files that hold the stage's table, in shard order: the parts it was recorded with, or its file."""
-        entry = self.manifest()["stages"].get(_manifest_key(stage, iteration)) or {}
+        entry = self._record(stage, iteration) or {}
         parts = entry.get("parts")
         return [self.root / rel for rel in parts] if parts else [self.path(stage, iteration)]
 
@@ -309,7 +340,7 @@ class RunDir:
 
     def completed_part(self, stage: Stage, iteration: int, shard: int) -> dict[str, Any] | None:
         """The record of a shard's part if it completed and its file is intact, else None (computed again)."""
-        entry = self.manifest().get("shards", {}).get(_manifest_key(stage, iteration), {}).get(str(shard))
+        entry = self._run_file().get("shards", {}).get(_manifest_key(stage, iteration), {}).get(str(shard))
         return entry if entry is not None and self._intact(entry) else None
 
     def read_parts(self, stage: Stage, iteration: int, shards: int) -> tuple[pa.Table, list[Path]]:
@@ -361,7 +392,7 @@ class RunDir:
         write_json_atomic(run.config_path, config.model_dump(mode="json"))
         write_json_atomic(
             run.manifest_path,
-            {"run_id": run.run_id, "format_version": RUN_FORMAT, "status": "running", "stages": {}},
+            {"run_id": run.run_id, "format_version": RUN_FORMAT, "status": "running", "stages": {}, "sealed": {}},
         )
         return run
 
@@ -391,7 +422,7 @@ class RunDir:
 
     def check_format(self) -> None:
         """Refuse a run written by another layout, naming what changed."""
-        version = self.manifest().get("format_version", 1)
+        version = self._run_file().get("format_version", 1)
         if version != RUN_FORMAT:
             changes = FORMAT_CHANGES.get(version, "a layout this version does not know")
             raise RunDirError(
@@ -451,70 +482,160 @@ class RunDir:
 
     _lock = threading.Lock()
 
-    def manifest(self) -> dict[str, Any]:
+    def records_path(self, iteration: int) -> Path:
+        """A sealed iteration's stage records (RECORDS_FILE in its folder)."""
+        return self.iteration_dir(iteration) / RECORDS_FILE
+
+    def _run_file(self) -> dict[str, Any]:
+        """manifest.json as written: the run's identity and status, the records of the iterations not yet sealed
+        ('stages'), and which stages each sealed iteration recorded ('sealed': its records are in its records.json)."""
         try:
             data = json.loads(self.manifest_path.read_text())
             if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
                 raise ValueError("not an object with a 'stages' object")
+            sealed = data.setdefault("sealed", {})
+            if not isinstance(sealed, dict) or not all(
+                isinstance(numbers, list) and all(type(n) is int for n in numbers) for numbers in sealed.values()
+            ):
+                raise ValueError("its 'sealed' is not an object of stage lists and their iterations")
             _check_names(data)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
             raise DamagedRunError(
                 f"{self.manifest_path} is damaged ({exc}): it records which stages completed. Rebuild it from the "
-                f"newest intact checkpoint (the damaged file is kept beside it): redteam-grpo rebuild-manifest "
-                f"{self.root}"
+                f"checkpoints (the damaged file is kept beside it): redteam-grpo rebuild-manifest {self.root}"
             ) from None
         return data
 
-    def record_for_checkpoint(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the run manifest (`RUN_RECORD`): its stage records and the run's identity
-        (run id, format, lineage), not its state."""
-        return {k: v for k, v in self.manifest().items() if k not in _STATE_KEYS}
+    def _sealed_records(self, iteration: int) -> dict[str, Any]:
+        """A sealed iteration's stage records, from its records.json, read again only when the file changes."""
+        path = self.records_path(iteration)
+        version = version_of(path)
+        cached = _RECORDS.get(str(path))
+        if version and cached is not None and cached[0] == version:
+            return cached[1]
+        try:
+            if version is None:
+                raise ValueError("it is missing")
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
+                raise ValueError("not an object with a 'stages' object")
+            if any(_parse_manifest_key(key)[0] != iteration for key in data["stages"]):
+                raise ValueError(f"it records stages of an iteration other than {iteration}")
+            _check_names(data)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+            raise DamagedRunError(
+                f"{path} is damaged ({exc}): it records which stages of iteration {iteration} completed. Rebuild it "
+                f"from that iteration's checkpoint: redteam-grpo rebuild-manifest {self.root}"
+            ) from None
+        if version:
+            _RECORDS[str(path)] = (version, data["stages"])
+        return data["stages"]
+
+    def _record(self, stage: Stage, iteration: int) -> dict[str, Any] | None:
+        """The record of `stage` of `iteration` (None: not recorded), from the one file that holds it."""
+        data = self._run_file()
+        if iteration in _sealed_index(data):
+            return self._sealed_records(iteration).get(_manifest_key(stage, iteration))
+        return data["stages"].get(_manifest_key(stage, iteration))
+
+    def manifest(self) -> dict[str, Any]:
+        """The whole record: manifest.json with every sealed iteration's records back in 'stages' (what `inspect`, the
+        report and a resume's check read; a stage reads only the records of the iteration it needs)."""
+        data = self._run_file()
+        stages: dict[str, Any] = {}
+        for number in sorted(_sealed_index(data)):
+            stages.update(self._sealed_records(number))
+        stages.update(data["stages"])
+        return {**data, "stages": stages}
+
+    def record_for_checkpoint(self, iteration: int) -> dict[str, Any]:
+        """What iteration's checkpoint keeps of the run's records (`RUN_RECORD`): that iteration's stage records and
+        the run's identity (run id, format, lineage), not its state; the same size at every iteration."""
+        data = self._run_file()
+        own = {k: v for k, v in data["stages"].items() if _parse_manifest_key(k)[0] == iteration}
+        return {**{k: v for k, v in data.items() if k not in _STATE_KEYS and k != "stages"}, "stages": own}
 
     def rebuild_manifest(self) -> RebuiltManifest:
-        """Write a new manifest.json from the newest intact checkpoint's `RUN_RECORD`, keeping the old file as
-        manifest.json.damaged[-N]. The caller owns the run (storage/ownership.py). Status: interrupted (a resume
-        continues it); without any usable checkpoint, a manifest that records nothing (a resume starts over)."""
+        """Write a new manifest.json (the old one kept as manifest.json.damaged[-N]): the run's identity from the
+        newest intact checkpoint's `RUN_RECORD`, and every iteration up to it recorded as sealed, its records.json
+        used where intact and written again from its own checkpoint's copy where not. The caller owns the run
+        (storage/ownership.py). Status: interrupted (a resume continues it); without any usable checkpoint, a
+        manifest that records nothing (a resume starts over)."""
         self.stored_config()  # the mode and stages come from it: a damaged config is named first
         sealed = sorted((p for p in (self.root / "checkpoints").glob("iter_*") if p.is_dir()), reverse=True)
         skipped: list[str] = []
-        source, record = None, {"run_id": self.run_id, "format_version": RUN_FORMAT, "stages": {}}
+        source, identity = None, {"run_id": self.run_id, "format_version": RUN_FORMAT}
         for folder in sealed:
             try:
                 found = checkpoints.read_manifest(folder).get(RUN_RECORD)
             except checkpoints.CheckpointError as exc:
                 skipped.append(str(exc))
                 continue
-            if found is None:
-                skipped.append(f"{folder} was sealed by a version that kept no copy of the run manifest")
+            if found is None or found.get("format_version") != RUN_FORMAT:
+                skipped.append(f"{folder} was sealed by a version that kept no copy of this run format's records")
                 continue
-            iteration = int(folder.name.removeprefix("iter_"))
-            sealed_file = folder / checkpoints.MANIFEST_FILE
-            found["stages"][_manifest_key(CHECKPOINT, iteration)] = {
+            source, identity = folder, {k: v for k, v in found.items() if k != "stages"}
+            break
+        index: dict[int, tuple[str, ...]] = {}
+        if source is not None:
+            for iteration in range(int(source.name.removeprefix("iter_")) + 1):
+                records = self._recovered_records(iteration, skipped)
+                if records is not None:
+                    index[iteration] = _stage_names(records)
+        kept = self._keep_damaged(self.manifest_path)
+        rebuilt = {
+            **identity,
+            "status": "interrupted",
+            "stages": {},
+            "rebuilt_from": str(source.relative_to(self.root)) if source else None,
+        }
+        _set_sealed(rebuilt, index)
+        write_json_atomic(self.manifest_path, rebuilt)
+        return RebuiltManifest(source, sorted(index), kept, skipped)
+
+    def _recovered_records(self, iteration: int, skipped: list[str]) -> dict[str, Any] | None:
+        """Iteration's records: its records.json if intact and sealed, else its checkpoint's copy written back (the
+        damaged file kept beside it); None, with the reason in `skipped`, where neither is left."""
+        seal_key = _manifest_key(CHECKPOINT, iteration)
+        try:
+            records = self._sealed_records(iteration)
+            if seal_key in records:
+                return records
+        except DamagedRunError:
+            pass
+        folder = self.checkpoint_dir(iteration)
+        try:
+            copy = checkpoints.read_manifest(folder).get(RUN_RECORD)
+        except checkpoints.CheckpointError as exc:
+            skipped.append(f"iteration {iteration}: its records.json and its checkpoint are both unusable ({exc})")
+            return None
+        if copy is None or copy.get("format_version") != RUN_FORMAT:
+            skipped.append(f"iteration {iteration}: its records.json is unusable and {folder} keeps no copy of it")
+            return None
+        sealed_file = folder / checkpoints.MANIFEST_FILE
+        records = {
+            **copy["stages"],
+            seal_key: {
                 "files": {str(sealed_file.relative_to(self.root)): sha256_file(sealed_file)},
                 "completed_at": dt.datetime.now(dt.UTC).isoformat(),
-            }
-            source, record = folder, found
-            break
-        kept = self._keep_damaged_manifest()
-        write_json_atomic(
-            self.manifest_path,
-            {**record, "status": "interrupted", "rebuilt_from": str(source.relative_to(self.root)) if source else None},
-        )
-        recovered = sorted({i for i, name in map(_parse_manifest_key, record["stages"]) if name == CHECKPOINT.name})
-        return RebuiltManifest(source, recovered, kept, skipped)
+            },
+        }
+        self._keep_damaged(self.records_path(iteration))
+        write_json_atomic(self.records_path(iteration), {"stages": records})
+        return records
 
-    def _keep_damaged_manifest(self) -> Path | None:
-        if not self.manifest_path.exists():
+    def _keep_damaged(self, path: Path) -> Path | None:
+        if not path.exists():
             return None
-        kept, n = self.root / "manifest.json.damaged", 1
+        kept, n = path.with_name(f"{path.name}.damaged"), 1
         while kept.exists():
-            kept, n = self.root / f"manifest.json.damaged-{n}", n + 1
-        write_atomic(kept, lambda tmp: tmp.write_bytes(self.manifest_path.read_bytes()))
+            kept, n = path.with_name(f"{path.name}.damaged-{n}"), n + 1
+        write_atomic(kept, lambda tmp: tmp.write_bytes(path.read_bytes()))
         return kept
 
     def _update_manifest(self, change) -> None:
         with self._lock:
-            data = self.manifest()
+            data = self._run_file()
             change(data)
             write_json_atomic(self.manifest_path, data)
 
@@ -522,7 +643,8 @@ class RunDir:
         self, stage: Stage, iteration: int, files: list[Path], parts: list[Path] | None = None, **info: Any
     ) -> None:
         """Record the stage of `iteration` as completed, with the sha256 of each file it wrote; `parts`: the files
-        that hold its table, when it was computed in shards (their shard records are folded into this one)."""
+        that hold its table, when it was computed in shards (their shard records are folded into this one). The
+        checkpoint's record seals the iteration: its records move to its records.json, written once."""
         entry = {
             "files": {str(p.relative_to(self.root)): file_digest(p) or sha256_file(p) for p in files},
             **({"parts": [str(p.relative_to(self.root)) for p in parts]} if parts else {}),
@@ -530,6 +652,9 @@ class RunDir:
             **info,
         }
         key = _manifest_key(stage, iteration)
+        if stage.name == CHECKPOINT.name:
+            self._seal(iteration, key, entry)
+            return
 
         def change(data: dict[str, Any]) -> None:
             data["stages"][key] = entry
@@ -537,10 +662,24 @@ class RunDir:
 
         self._update_manifest(change)
 
+    def _seal(self, iteration: int, key: str, entry: dict[str, Any]) -> None:
+        """Move iteration's records out of manifest.json into its records.json, written first: a crash between the
+        two writes leaves the records in manifest.json, and the checkpoint stage, not recorded, runs again."""
+        with self._lock:
+            data = self._run_file()
+            own = {k: v for k, v in data["stages"].items() if _parse_manifest_key(k)[0] == iteration}
+            own[key] = entry
+            write_json_atomic(self.records_path(iteration), {"stages": own})
+            for k in own:
+                data["stages"].pop(k, None)
+                data.get("shards", {}).pop(k, None)
+            _set_sealed(data, {**_sealed_index(data), iteration: _stage_names(own)})
+            write_json_atomic(self.manifest_path, data)
+
     def completed(self, stage: Stage, iteration: int) -> dict[str, Any] | None:
         """The manifest entry if the stage of `iteration` completed and its files are intact, else None (the
         stage is then computed again)."""
-        entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
+        entry = self._record(stage, iteration)
         return entry if entry is not None and self._intact(entry) else None
 
     def _intact(self, entry: dict[str, Any]) -> bool:
@@ -552,7 +691,7 @@ class RunDir:
         depends on it and the command that recomputes it. `weights=False` checks the stage's table only: the
         weights a train step wrote are checked when they are loaded (their checkpoint's manifest), and old ones
         may have been pruned (run.keep_checkpoints)."""
-        entry = self.manifest()["stages"].get(_manifest_key(stage, iteration))
+        entry = self._record(stage, iteration)
         if entry is None:
             raise RunDirError(
                 f"{stage.name} of iteration {iteration} is not recorded as completed in {self.manifest_path}: "
@@ -606,16 +745,20 @@ class RunDir:
             ) from None
 
     def forget_from(self, stage: Stage, iteration: int) -> list[str]:
-        """Drop `stage` of `iteration`, the stages after it and every later iteration from the manifest, so that a
+        """Drop `stage` of `iteration`, the stages after it and every later iteration from the records, so that a
         resume recomputes them; unseal their checkpoints. Returns the dropped keys."""
         first = (iteration, _STAGE_ORDER[stage.name])
         keys = sorted((k for k in self.manifest()["stages"] if _pipeline_order(k) >= first), key=_pipeline_order)
         for key in keys:
             i, name = _parse_manifest_key(key)
-            if name == CHECKPOINT.name:  # a sealed checkpoint must not outlive its manifest entry
+            if name == CHECKPOINT.name:  # a sealed checkpoint must not outlive its record
                 (self.checkpoint_dir(i) / checkpoints.MANIFEST_FILE).unlink(missing_ok=True)
+        unsealed = sorted(n for n in _sealed_index(self._run_file()) if n >= iteration)
+        kept = self._sealed_records(iteration) if iteration in unsealed else {}
 
         def change(data: dict[str, Any]) -> None:
+            _set_sealed(data, {n: names for n, names in _sealed_index(data).items() if n < iteration})
+            data["stages"].update({k: v for k, v in kept.items() if _pipeline_order(k) < first})  # open again
             for key in keys:
                 data["stages"].pop(key, None)
             shards = data.get("shards", {})
@@ -626,12 +769,16 @@ class RunDir:
             data.pop("stop_reason", None)
 
         self._update_manifest(change)
+        for number in unsealed:  # after the manifest stops naming them: a crash in between leaves unused files
+            self.records_path(number).unlink(missing_ok=True)
         return keys
 
     def recorded_iterations(self, stage: Stage) -> list[int]:
-        """Iterations whose `stage` the manifest records as completed (files not re-checked), in order."""
-        keys = (_parse_manifest_key(k) for k in self.manifest()["stages"])
-        return sorted(iteration for iteration, name in keys if name == stage.name)
+        """Iterations whose `stage` is recorded as completed (files not re-checked), in order."""
+        data = self._run_file()
+        found = {number for number, names in _sealed_index(data).items() if stage.name in names}
+        found.update(i for i, name in map(_parse_manifest_key, data["stages"]) if name == stage.name)
+        return sorted(found)
 
     def set_status(self, status: str, **info: Any) -> None:
         self._update_manifest(lambda data: data.update(status=status, **info))

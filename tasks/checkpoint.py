@@ -158,8 +158,8 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
         run.verify(stage, iteration)  # seal exactly the weights the update stages recorded
     summary = {k: metrics[k] for k in mode.summary}
     with interrupts.recording():  # sealed exactly when recorded
-        # the run manifest's records as they stand, so a damaged run manifest can be rebuilt from this checkpoint
-        record = {RUN_RECORD: run.record_for_checkpoint()}
+        # this iteration's records and the run's identity, so a damaged manifest or records.json is rebuilt from here
+        record = {RUN_RECORD: run.record_for_checkpoint(iteration)}
         checkpoints.write_manifest(folder, {**_checkpoint_info(res, iteration), "metrics": summary, **record})
         run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
     if cfg.run.keep_checkpoints:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sqlite3
@@ -20,7 +19,7 @@ from redteam_grpo.cli import reaper
 from redteam_grpo.core.config import load_config
 from redteam_grpo.storage import checkpoints, ownership
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import RunDir, RunDirError
 from tests.processes import default_stop_signals, ignoring_sigint
 from tests.small_runs import SMALL_RUN
 
@@ -114,12 +113,16 @@ def _start_run(
 
 
 def _wait_until_recorded(proc: subprocess.Popen, root: Path, key: str, log_path: Path) -> None:
-    """Until the manifest records `key` ("1/sample"); the run must still be running."""
-    manifest = root / "manifest.json"
+    """Until the run records `key` ("1/sample"), in manifest.json or its iteration's records.json once sealed; the run
+    must still be running."""
+    from redteam_grpo.storage.stages import BY_NAME
+
+    number, _, name = key.partition("/")
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if manifest.is_file() and key in json.loads(manifest.read_text())["stages"]:
-            return
+        with contextlib.suppress(OSError, RunDirError):
+            if int(number) in RunDir(root).recorded_iterations(BY_NAME[name]):
+                return
         assert proc.poll() is None, f"the run ended before {key}:\n" + log_path.read_text()[-3000:]
         time.sleep(0.05)
     pytest.fail(f"{key} was never recorded")

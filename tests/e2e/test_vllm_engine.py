@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import signal
 import socket
@@ -34,7 +33,7 @@ from redteam_grpo.flows import attack
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.server.vllm_client import SamplerError, VllmSampler
 from redteam_grpo.server.vllm_env import DEFAULT_ENV, installed
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import RunDir, RunDirError
 from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks.evaluate import evaluate_checkpoint
 from redteam_grpo.tasks.evaluate_defense import evaluate_defense
@@ -418,14 +417,14 @@ def test_an_engine_that_dies_mid_run_is_one_error_line_and_the_run_resumes_after
         errors = [line for line in (out + err).splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "vLLM sampler" in errors[0], out + err
         assert "Traceback" not in out + err
-        recorded = json.loads((root / "manifest.json").read_text())["stages"]
+        recorded = RunDir(root).manifest()["stages"]
 
         served.start()  # the same port: the run's config is unchanged
         resumed = subprocess.run(
             [*CLI, "run", "--resume", str(root)], capture_output=True, text=True, timeout=600, cwd=ROOT
         )
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-        after = json.loads((root / "manifest.json").read_text())
+        after = RunDir(root).manifest()
         assert after["status"] == "completed"
         for key, record in recorded.items():  # what was completed before the crash is kept as it was
             assert after["stages"][key]["files"] == record["files"], key
@@ -508,9 +507,14 @@ def _port_free(port: int) -> bool:
 
 
 def _recorded(root: Path, key: str) -> bool:
+    """Whether the run records `key` ("0/train_step"), in manifest.json or, once the iteration is sealed, its
+    records.json (manifest.json names the sealed iterations and their stages: no record is missed in between)."""
+    from redteam_grpo.storage.stages import BY_NAME
+
+    number, _, name = key.partition("/")
     try:
-        return key in json.loads((root / "manifest.json").read_text())["stages"]
-    except (OSError, ValueError, KeyError):
+        return int(number) in RunDir(root).recorded_iterations(BY_NAME[name])
+    except (OSError, RunDirError):
         return False
 
 

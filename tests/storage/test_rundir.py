@@ -202,3 +202,65 @@ def test_redo_drops_the_recorded_parts_of_a_stage_not_yet_complete(run):
     _parts(run, 2, 2)
     run.forget_from(ADVANTAGE, 2)
     assert not run.manifest()["shards"] and run.completed_part(ADVANTAGE, 2, 0) is None
+
+
+def _seal_iterations(run, iterations) -> dict[int, int]:
+    """Record every attack stage of each iteration with a file, then seal it as the checkpoint stage does (its
+    checkpoint keeps `record_for_checkpoint`); the size of each checkpoint's copy, by iteration."""
+    from redteam_grpo.storage import checkpoints
+    from redteam_grpo.storage.rundir import RUN_RECORD
+    from redteam_grpo.storage.stages import CHECKPOINT, SAMPLE, TRAIN_STEP
+
+    copies = {}
+    for iteration in iterations:
+        for stage in (SAMPLE, SCORE, ADVANTAGE, TRAIN_STEP):
+            path = run.iteration_dir(iteration) / f"{stage.name}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(stage.name.encode())
+            run.record_done(stage, iteration, [path], stats={"rows": 12})
+        folder = run.checkpoint_dir(iteration)
+        folder.mkdir(parents=True, exist_ok=True)
+        copy = run.record_for_checkpoint(iteration)
+        copies[iteration] = len(json.dumps(copy))
+        checkpoints.write_manifest(folder, {RUN_RECORD: copy})
+        run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
+    return copies
+
+
+def test_what_each_stage_rewrites_stays_the_same_size_however_long_the_run_and_each_record_is_written_once(run):
+    """A run format before 12 rewrote every record of the run after every stage and copied them all into every
+    checkpoint: quadratic in the run's length (0.5 MB per checkpoint at 200 iterations)."""
+    from redteam_grpo.storage.location import version_of
+    from redteam_grpo.storage.stages import SAMPLE
+
+    copies = _seal_iterations(run, range(5))
+    first_records = version_of(run.records_path(0))
+    early = len(run.manifest_path.read_bytes())
+    copies |= _seal_iterations(run, range(5, 30))
+    late = len(run.manifest_path.read_bytes())
+    # what grows is the index of sealed iterations: ~10 bytes an iteration, against ~900 when the records stayed
+    assert late - early < 25 * 20, (early, late)
+    assert abs(copies[29] - copies[4]) <= 16, copies  # the iterations' numbers in the keys, nothing more
+    assert version_of(run.records_path(0)) == first_records  # written once, when sealed
+    assert run.completed_iterations() == list(range(30)) and run.completed(SAMPLE, 3) is not None
+    assert len(run.manifest()["stages"]) == 30 * 5  # the whole record still reads back as one
+
+
+def test_a_damaged_records_file_is_named_and_rebuilt_from_its_own_checkpoint(run):
+    from redteam_grpo.storage.rundir import DamagedRunError
+    from redteam_grpo.storage.stages import SAMPLE
+
+    _seal_iterations(run, range(3))
+    before = run.manifest()["stages"]
+    records = run.records_path(1)
+    records.write_text("{ not json")
+    with pytest.raises(DamagedRunError, match=f"rebuild-manifest {run.root}"):
+        run.completed(SAMPLE, 1)
+    rebuilt = run.rebuild_manifest()
+    assert rebuilt.iterations == [0, 1, 2] and rebuilt.skipped == []
+    assert records.with_name("records.json.damaged").read_text() == "{ not json"  # nothing written before is lost
+    after = run.manifest()["stages"]
+    assert after.keys() == before.keys()
+    assert all(
+        after[k]["files"] == before[k]["files"] and after[k].get("stats") == before[k].get("stats") for k in after
+    )

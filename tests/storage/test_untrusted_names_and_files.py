@@ -147,3 +147,15 @@ def test_a_dataset_export_never_writes_through_a_link_planted_at_a_temporary_fol
     write_hf_dataset(pd.DataFrame({"prompt": ["a", "b"]}), out)
     assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
     assert out.is_dir() and not out.is_symlink() and (out / "dataset_info.json").is_file()
+
+
+def test_a_sealed_iterations_records_that_name_a_path_outside_the_run_are_a_damaged_run_named(run):
+    from redteam_grpo.storage.stages import CHECKPOINT, SAMPLE
+
+    run.record_done(SAMPLE, 0, [])
+    run.record_done(CHECKPOINT, 0, [])  # sealed: its records move to iter_0000/records.json
+    records = run.records_path(0)
+    records.write_text(json.dumps({"stages": {"0/sample": {"files": {"../../secret": "0" * 64}}}}))
+    with pytest.raises(DamagedRunError, match="outside the run's folder") as caught:
+        run.completed(SAMPLE, 0)
+    assert str(records) in str(caught.value) and "rebuild-manifest" in str(caught.value)
