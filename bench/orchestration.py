@@ -219,6 +219,8 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
 def run_child(kind: str, iterations: int, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "PREFECT_HOME": home, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+        # a fresh PREFECT_HOME: the ephemeral API creates its database, ~20 s on a busy 2-core machine (cli/main.py)
+        env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
         env.pop("PREFECT_API_URL", None)
         command = [sys.executable, __file__, "--child", kind, "--iterations", str(iterations)]
         for override in overrides:

@@ -33,6 +33,7 @@ import datetime as dt
 import json
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,24 @@ def _pipeline_order(key: str) -> tuple[int, int]:
 def _parse_manifest_key(key: str) -> tuple[int, str]:
     iteration, _, stage = key.partition("/")
     return int(iteration), stage
+
+
+def _read_records(
+    path: Path, check: Callable[[dict[str, Any]], None], way_out: str, missing: bool = False
+) -> dict[str, Any]:
+    """A records file (manifest.json, an iteration's records.json): a JSON object with a 'stages' object that passes
+    `check` and names no path outside the run; else a DamagedRunError naming the file, what is wrong and `way_out`."""
+    try:
+        if missing:
+            raise ValueError("it is missing")
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
+            raise ValueError("not an object with a 'stages' object")
+        check(data)
+        _check_names(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise DamagedRunError(f"{path} is damaged ({exc}): {way_out}") from None
+    return data
 
 
 def _stage_names(records: dict[str, Any]) -> tuple[str, ...]:
@@ -489,22 +508,20 @@ class RunDir:
     def _run_file(self) -> dict[str, Any]:
         """manifest.json as written: the run's identity and status, the records of the iterations not yet sealed
         ('stages'), and which stages each sealed iteration recorded ('sealed': its records are in its records.json)."""
-        try:
-            data = json.loads(self.manifest_path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
-                raise ValueError("not an object with a 'stages' object")
+
+        def check(data: dict[str, Any]) -> None:
             sealed = data.setdefault("sealed", {})
             if not isinstance(sealed, dict) or not all(
                 isinstance(numbers, list) and all(type(n) is int for n in numbers) for numbers in sealed.values()
             ):
                 raise ValueError("its 'sealed' is not an object of stage lists and their iterations")
-            _check_names(data)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-            raise DamagedRunError(
-                f"{self.manifest_path} is damaged ({exc}): it records which stages completed. Rebuild it from the "
-                f"checkpoints (the damaged file is kept beside it): redteam-grpo rebuild-manifest {self.root}"
-            ) from None
-        return data
+
+        return _read_records(
+            self.manifest_path,
+            check,
+            "it records which stages completed. Rebuild it from the checkpoints (the damaged file is kept beside it): "
+            f"redteam-grpo rebuild-manifest {self.root}",
+        )
 
     def _sealed_records(self, iteration: int) -> dict[str, Any]:
         """A sealed iteration's stage records, from its records.json, read again only when the file changes."""
@@ -513,20 +530,18 @@ class RunDir:
         cached = _RECORDS.get(str(path))
         if version and cached is not None and cached[0] == version:
             return cached[1]
-        try:
-            if version is None:
-                raise ValueError("it is missing")
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("stages"), dict):
-                raise ValueError("not an object with a 'stages' object")
+
+        def check(data: dict[str, Any]) -> None:
             if any(_parse_manifest_key(key)[0] != iteration for key in data["stages"]):
                 raise ValueError(f"it records stages of an iteration other than {iteration}")
-            _check_names(data)
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
-            raise DamagedRunError(
-                f"{path} is damaged ({exc}): it records which stages of iteration {iteration} completed. Rebuild it "
-                f"from that iteration's checkpoint: redteam-grpo rebuild-manifest {self.root}"
-            ) from None
+
+        data = _read_records(
+            path,
+            check,
+            f"it records which stages of iteration {iteration} completed. Rebuild it from that iteration's "
+            f"checkpoint: redteam-grpo rebuild-manifest {self.root}",
+            missing=version is None,
+        )
         if version:
             _RECORDS[str(path)] = (version, data["stages"])
         return data["stages"]
