@@ -91,7 +91,7 @@ def dialogue_html(messages, answer_scores=None) -> str:
 def render_report(run: RunDir, top_k: int = 20) -> str:
     metrics = query(run, "select * from metrics order by iteration")
     examples = adversarial_examples(run, limit=top_k)
-    manifest = run.manifest()
+    manifest = run.identity_and_status()
     config = run.stored_config()
     plots = "\n".join(
         f'<figure class="plot" id="plot-{col}" data-metric="{col}">{_svg_plot(metrics, col, title)}</figure>'

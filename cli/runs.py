@@ -129,7 +129,7 @@ def inspect(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
     if fmt is None:
-        manifest = run.manifest()
+        manifest = run.identity_and_status()
         if not sql:
             crashed = stopped_unexpectedly(run)
             console.print(

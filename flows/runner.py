@@ -138,7 +138,7 @@ def owned_run(config: Config | None, resume: str | Path | None, redo: str | None
             record = read_lineage(run)
             if record is None:
                 start_in_lineage(run, lineage)
-            elif run.manifest().get("lineage") is None:
+            elif run.identity_and_status().get("lineage") is None:
                 record_in_manifest(run, record)
         yield run
 

@@ -80,7 +80,7 @@ def runs_in_lineage(runs_dir: Path, lineage: str) -> list[tuple[RunDir, LineageI
 
 def can_be_parent(run: RunDir) -> bool:
     """Finished, or stopped early for reaching its reward target; any other early stop means a collapsed policy."""
-    manifest = run.manifest()
+    manifest = run.identity_and_status()
     status = manifest.get("status")
     return status == "completed" or (status == "early_stopped" and manifest.get("stop_kind") == REWARD_TARGET)
 
@@ -94,7 +94,9 @@ def parent_checkpoint_dir(run: RunDir, record: LineageInfo) -> Path | None:
 
 def record_in_manifest(run: RunDir, record: LineageInfo) -> None:
     """Copy the lineage fields into the manifest (idempotent: also repairs a crash between the two writes)."""
-    run.set_status(run.manifest().get("status", "running"), **{k: getattr(record, k) for k in MANIFEST_FIELDS})
+    run.set_status(
+        run.identity_and_status().get("status", "running"), **{k: getattr(record, k) for k in MANIFEST_FIELDS}
+    )
 
 
 def sampled_prompt_ids(run: RunDir) -> set[str]:

@@ -252,7 +252,7 @@ def stopped_unexpectedly(run: RunDir) -> str | None:
     """When the manifest says running but no process owns the run: what happened and the command that continues it
     (its process was killed, by kill -9, the out-of-memory killer or a lost machine, before it could record a stop).
     None otherwise."""
-    if run.manifest().get("status") != "running" or live_owner(run.root) is not None:
+    if run.identity_and_status().get("status") != "running" or live_owner(run.root) is not None:
         return None
     return (
         "its manifest says running, but no process owns it: the process that ran it ended without recording a stop "

@@ -88,7 +88,7 @@ def adversarial_examples(run: RunDir, min_score: float = 0.0, limit: int | None 
     """Completions with harm >= min_score, best first, with lineage: run, iteration, the checkpoint whose
     weights sampled them, the base model, and the scorer and its revision."""
     config = run.stored_config()
-    manifest = run.manifest()
+    manifest = run.identity_and_status()
     with connect(run) as con:
         df = con.execute(
             """

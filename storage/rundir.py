@@ -553,6 +553,11 @@ class RunDir:
             return self._sealed_records(iteration).get(_manifest_key(stage, iteration))
         return data["stages"].get(_manifest_key(stage, iteration))
 
+    def identity_and_status(self) -> dict[str, Any]:
+        """manifest.json alone: the run's id, format, status (stop kind and reason, the signal that interrupted it)
+        and lineage fields, without reading any sealed iteration's records (what a status or lineage reader needs)."""
+        return self._run_file()
+
     def manifest(self) -> dict[str, Any]:
         """The whole record: manifest.json with every sealed iteration's records back in 'stages' (what `inspect`, the
         report and a resume's check read; a stage reads only the records of the iteration it needs)."""
