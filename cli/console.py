@@ -7,6 +7,7 @@ bars and its advisory messages, and the deprecation warnings libraries address t
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Annotated
@@ -45,6 +46,9 @@ def quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault(PREFECT_SERVER_LEVEL, "CRITICAL")
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
+    # A handler that cannot deliver a record (Prefect's API log worker once a Ctrl-C has stopped the temporary API
+    # server too) writes "--- Error logging to API ---" to stderr only while this is set; --verbose keeps it.
+    logging.raiseExceptions = False
 
     from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
     from transformers.utils import logging as transformers_logging

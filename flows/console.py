@@ -13,6 +13,9 @@ _STOPPED = (
     "Crash detected! Execution was aborted by a termination signal.",
 )
 
+# a run stopped before its engine has its run logger says it through "prefect.engine"
+_ECHOING_LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.engine")
+
 
 class _NoTraceback(logging.Filter):
     """Drops the records that carry a traceback, and Prefect's echo of a run's failure ("Finished in state
@@ -22,7 +25,7 @@ class _NoTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info is not None:
             return False
-        echo = record.levelno >= logging.ERROR and record.name in ("prefect.task_runs", "prefect.flow_runs")
+        echo = record.levelno >= logging.ERROR and record.name in _ECHOING_LOGGERS
         return not (echo and str(record.msg).startswith(("Finished in state", *_STOPPED)))
 
 
