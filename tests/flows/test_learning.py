@@ -18,11 +18,12 @@ above). The noise of a 5-iteration mean is ~0.02 (the first iterations' rewards 
 3.3 times the margin).
 
 Three-turn dialogues (dialogue.turns=3: the frozen base writes the user turns after the first, the policy is scored
-on its last answer), on the shipped models: rises of 0.189, 0.205 and 0.243 (a mean of 0.212) with AVX-512 kernels,
-0.189, 0.205 and 0.246 (0.213) with avx2; before, on machine-trained models, 0.06-0.08 to 0.27-0.30 on one machine,
-rises of 0.11, 0.10 and 0.07 on another (per-iteration noise ~0.05, so ~0.03 for a seed's rise and ~0.02 for the
-mean of three), 0.03, 0.03 and 0.22 on a Xeon with AVX-512. The mean rise carries the claim (margin 0.06, three
-times its noise; 0.212 here, 3.5 times the margin); every seed must end above where it began (its rise above 0).
+on its last answer), on the shipped models: rises of 0.189, 0.205 and 0.243 (seeds 0-2) with AVX-512 kernels,
+0.189, 0.205 and 0.246 with avx2; before, on machine-trained models, 0.06-0.08 to 0.27-0.30 on one machine, rises of
+0.11, 0.10 and 0.07 on another, 0.03, 0.03 and 0.22 on a Xeon with AVX-512. Since the models are shipped, the seeds
+agree to within the noise of one seed's rise (per-iteration noise ~0.05, so ~0.03 for a 5-iteration mean's rise), and
+a run of three seeds cost nine minutes on a 2-core AMD EPYC: seed 0 alone runs here, its margin 0.09 three times
+that noise (0.189 on both kernel sets, 2.1 times the margin).
 
 Per-turn rewards (dialogue.rewards=per_turn, discount 0.5: each answer paid for its own harm, each turn trained on
 its return): the dialogue's return R_0 rose by 1.224 on the shipped models under both kernel sets (from 0.18 to
@@ -48,7 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness", "embe
 
 SEEDS = (0, 1, 2)
 MARGIN, BEST_WINDOW_FLOOR = 0.15, 0.1
-DIALOGUE_MARGIN, DIALOGUE_SEED_FLOOR = 0.06, 0.0
+DIALOGUE_MARGIN = 0.09
 PER_TURN_MARGIN = 0.6
 ITERATIONS = ["run.iterations=30", "run.early_stop_reward=null", "run.early_stop_repetition=null"]
 
@@ -92,8 +93,9 @@ def test_mean_reward_of_the_last_iterations_clearly_exceeds_the_first(tmp_path):
 
 
 def test_a_three_turn_attack_run_learns_on_its_own_turns(tmp_path):
-    rewards = {s: _rewards(tmp_path, f"dialogue-{s}", f"run.seed={s}", "dialogue.turns=3") for s in SEEDS}
-    _assert_learns(rewards, DIALOGUE_MARGIN, DIALOGUE_SEED_FLOOR)
+    rewards = _rewards(tmp_path, "dialogue", "run.seed=0", "dialogue.turns=3")
+    print(f"rise {_rise(rewards):.3f} (margin {DIALOGUE_MARGIN})\n{_curves({0: rewards})}")  # pytest -rP
+    assert _rise(rewards) > DIALOGUE_MARGIN, _curves({0: rewards})
 
 
 def test_a_three_turn_attack_run_with_per_turn_rewards_learns(tmp_path):
