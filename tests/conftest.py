@@ -8,21 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import environment  # plain settings: imports nothing else
+
+environment.apply()
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="redteam-grpo-tests-"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
-os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ["DO_NOT_TRACK"] = "1"
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-# One compute thread per process: the suite runs in parallel (pytest -n auto, one worker per core) and starts
-# runs, servers and Ray workers as subprocesses; with a thread per core each, the tiny models' kernels spin
-# against each other (measured: up to 30x slower on a shared 2-core machine). Inherited by every subprocess.
-for _threads in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_threads, "1")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)
 # The embedded assets are built once per machine (deterministic); tests share the user cache unless told.

@@ -398,7 +398,7 @@ def test_an_engine_that_dies_mid_run_is_one_error_line_and_the_run_resumes_after
     served = Engine(engine_env, tmp_path / "engine.log").start()
     try:
         root = tmp_path / "crash"
-        args = [*ENGINE_SETTINGS, f"sampling.vllm_url={served.url}", "run.iterations=3", *SMALL_RUN]
+        args = [*ENGINE_SETTINGS, f"sampling.vllm_url={served.url}", "run.iterations=2", *SMALL_RUN]
         args += [f"run.runs_dir={tmp_path}", "run.run_id=crash", "logging.progress=false"]
         proc = subprocess.Popen(
             [*CLI, "run", *(a for s in args for a in ("--set", s))],
