@@ -40,7 +40,10 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import environment  # tests/environment.py: this file runs as a script, its folder first on sys.path
+if __package__:  # imported as tests.bug_classes (tests/test_project.py reads its entries)
+    from tests import environment
+else:  # run as a script (and so in each fork): its folder is first on sys.path
+    import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 # Imported once by the fork server (module names: none of the project's, none that read settings at import).
