@@ -682,6 +682,7 @@ def _pytest_in_copy(copy: Path, tests: list[str], log: Path) -> None:
         handle = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(handle, 1)
         os.dup2(handle, 2)
+        os.close(handle)
         os.chdir(copy)
         os.environ.update(copy_env(copy))  # for the processes its tests start
         # as `python -m` in the copy would have it: the copy, then its .import/, ahead of the editable install

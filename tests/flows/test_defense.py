@@ -278,11 +278,12 @@ def test_a_sharded_defense_iteration_splits_the_attackers_prompts_into_whole_gro
 def test_a_three_turn_defense_run_lowers_the_unsafe_share_of_its_dialogues(tmp_path, attacker):
     run = _defense(tmp_path, "dialogue", attacker, "run.seed=0", "dialogue.turns=3")
     iterations = run.stored_config().run.iterations
-    unsafe = [round(float(run.read(SCORE, i).to_pandas().harm.gt(0.5).mean()), 3) for i in range(iterations)]
+    unsafe = [float(run.read(SCORE, i).to_pandas().harm.gt(0.5).mean()) for i in range(iterations)]
     first, last = sum(unsafe[:3]) / 3, sum(unsafe[-3:]) / 3
-    print(f"drop {first - last:.3f} (margin {DIALOGUE_DROP_MARGIN})\n{unsafe}")  # pytest -rP
-    assert first > 0.3, unsafe  # the attacker is a real attacker over three turns
-    assert first - last > DIALOGUE_DROP_MARGIN, unsafe
+    shares = [round(u, 3) for u in unsafe]
+    print(f"drop {first - last:.3f} (margin {DIALOGUE_DROP_MARGIN})\n{shares}")  # pytest -rP
+    assert first > 0.3, shares  # the attacker is a real attacker over three turns
+    assert first - last > DIALOGUE_DROP_MARGIN, shares
 
 
 def test_a_resumed_defense_run_needs_its_goals_but_not_the_attacker_run_it_copied(tmp_path, attacker):

@@ -79,30 +79,31 @@ def _curves(rewards_by_seed: dict[int, pd.Series]) -> str:
     )
 
 
-def _assert_learns(rewards_by_seed: dict[int, pd.Series], margin: float, seed_floor: float, per_seed=_rise) -> None:
-    """The mean rise over the seeds clears `margin`, and each seed's `per_seed` rise clears `seed_floor`."""
+def _assert_learns(rewards_by_seed: dict[int, pd.Series]) -> None:
+    """The mean rise over the seeds clears MARGIN, and each seed's best window clears BEST_WINDOW_FLOOR."""
     rises = [_rise(r) for r in rewards_by_seed.values()]
-    print(f"mean rise {sum(rises) / len(rises):.3f} (margin {margin})\n{_curves(rewards_by_seed)}")  # pytest -rP
-    assert sum(rises) / len(rises) > margin, _curves(rewards_by_seed)
-    assert min(per_seed(r) for r in rewards_by_seed.values()) > seed_floor, _curves(rewards_by_seed)
+    print(f"mean rise {sum(rises) / len(rises):.3f} (margin {MARGIN})\n{_curves(rewards_by_seed)}")  # pytest -rP
+    assert sum(rises) / len(rises) > MARGIN, _curves(rewards_by_seed)
+    assert min(map(_best_window_rise, rewards_by_seed.values())) > BEST_WINDOW_FLOOR, _curves(rewards_by_seed)
+
+
+def _assert_rises(rewards: pd.Series, margin: float) -> None:
+    """One seed's (seed 0's) rise clears `margin`."""
+    print(f"rise {_rise(rewards):.3f} (margin {margin})\n{_curves({0: rewards})}")  # pytest -rP
+    assert _rise(rewards) > margin, _curves({0: rewards})
 
 
 def test_mean_reward_of_the_last_iterations_clearly_exceeds_the_first(tmp_path):
-    rewards = {s: _rewards(tmp_path, f"learn-{s}", f"run.seed={s}") for s in SEEDS}
-    _assert_learns(rewards, MARGIN, BEST_WINDOW_FLOOR, per_seed=_best_window_rise)
+    _assert_learns({s: _rewards(tmp_path, f"learn-{s}", f"run.seed={s}") for s in SEEDS})
 
 
 def test_a_three_turn_attack_run_learns_on_its_own_turns(tmp_path):
-    rewards = _rewards(tmp_path, "dialogue", "run.seed=0", "dialogue.turns=3")
-    print(f"rise {_rise(rewards):.3f} (margin {DIALOGUE_MARGIN})\n{_curves({0: rewards})}")  # pytest -rP
-    assert _rise(rewards) > DIALOGUE_MARGIN, _curves({0: rewards})
+    _assert_rises(_rewards(tmp_path, "dialogue", "run.seed=0", "dialogue.turns=3"), DIALOGUE_MARGIN)
 
 
 def test_a_three_turn_attack_run_with_per_turn_rewards_learns(tmp_path):
     settings = ["dialogue.turns=3", "dialogue.rewards=per_turn", "dialogue.discount=0.5"]
-    rewards = _rewards(tmp_path, "per-turn", "run.seed=0", *settings)
-    print(f"rise {_rise(rewards):.3f} (margin {PER_TURN_MARGIN})\n{_curves({0: rewards})}")  # pytest -rP
-    assert _rise(rewards) > PER_TURN_MARGIN, _curves({0: rewards})
+    _assert_rises(_rewards(tmp_path, "per-turn", "run.seed=0", *settings), PER_TURN_MARGIN)
 
 
 def test_with_the_advantage_sign_flipped_reward_goes_down(tmp_path, monkeypatch):
