@@ -89,6 +89,14 @@ BUG_CLASSES = [
         "tests/core/test_masks.py",
     ),
     (
+        "logits-window-shift",
+        "core/tokens/masks.py",
+        "first = packed.input_ids_B_T.shape[1] - logits_B_K_V.shape[1]",
+        "first = 0",
+        "tests/core/test_masks.py::test_logits_of_the_window_alone_gather_what_the_logits_of_every_position_gather "
+        "tests/core/test_policy_invariants.py::test_the_trainers_logits_are_those_of_a_forward_over_every_position_though_the_head_sees_the_window_only",
+    ),
+    (
         "mask-from-token-values",
         "core/tokens/masks.py",
         "mask[b, c : c + end - start] = True",

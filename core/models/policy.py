@@ -36,7 +36,13 @@ from redteam_grpo.core.models.cpu_matmul import (
 from redteam_grpo.core.models.quantization import check_attn_implementation, quantization_config
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.tokens.logprobs import SamplingDistribution
-from redteam_grpo.core.tokens.masks import PackedBatch, gather_completion_logits, pack_sequences, pack_spans
+from redteam_grpo.core.tokens.masks import (
+    PackedBatch,
+    gather_completion_logits,
+    logits_window,
+    pack_sequences,
+    pack_spans,
+)
 
 log = logging.getLogger(__name__)
 
@@ -346,6 +352,7 @@ def packed_logits(policy: Policy, packed: PackedBatch):
         attention_mask=packed.attention_mask_B_T,
         position_ids=packed.position_ids_B_T,
         use_cache=False,
+        logits_to_keep=logits_window(packed),  # the head on the positions that predict a trained token alone
     )
     logits = gather_completion_logits(out.logits, packed).float()
     return logits, packed.completion_ids_B_C, packed.completion_mask_B_C

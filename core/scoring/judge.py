@@ -269,7 +269,7 @@ class SafetyJudgeScorer:
                 return_tensors="pt",
             ).to(self.device)
             if self.max_new_tokens == 0:  # scoring mode: the next token's distribution after the input, nothing else
-                first = self.model(**enc).logits[:, -1].float()
+                first = self.model(**enc, logits_to_keep=1).logits[:, -1].float()  # the head on the last position
                 for row, (_, _, cut, _) in enumerate(fitted):
                     out.append(TextScore(self._read(first[row]), truncated=cut))
                 continue

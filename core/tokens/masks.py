@@ -107,10 +107,29 @@ def pack_spans(
     )
 
 
-def gather_completion_logits(logits_B_T_V: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
-    """Logits that predict each completion token: [B, C, V]."""
-    index = packed.logit_positions_B_C.unsqueeze(-1).expand(-1, -1, logits_B_T_V.shape[-1])
-    return torch.gather(logits_B_T_V, 1, index)
+def logits_window(packed: PackedBatch) -> int:
+    """How many trailing positions of the packed rows hold logits that predict a trained token: the LM head need
+    not run on the positions before the batch's earliest one (transformers' `logits_to_keep`). At a wide vocabulary
+    the head costs as much as several decoder layers, and on prompts longer than their completions most of its work
+    would be logits nobody reads (bench/head_positions.py). At least 1: `logits_to_keep=0` means every position."""
+    width = packed.input_ids_B_T.shape[1]
+    needed = packed.logit_positions_B_C[packed.completion_mask_B_C]
+    return width - int(needed.min()) if needed.numel() else 1
+
+
+def gather_completion_logits(logits_B_K_V: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """Logits that predict each completion token: [B, C, V]. `logits_B_K_V` holds the logits of the packed rows'
+    last K positions: all T of them, or the `logits_window` (whose positions start at T - K)."""
+    first = packed.input_ids_B_T.shape[1] - logits_B_K_V.shape[1]
+    if first < 0:
+        raise ValueError(f"{logits_B_K_V.shape[1]} positions of logits for rows of {packed.input_ids_B_T.shape[1]}")
+    positions_B_C = packed.logit_positions_B_C - first
+    needed = positions_B_C[packed.completion_mask_B_C]
+    if needed.numel() and int(needed.min()) < 0:
+        raise ValueError(f"a trained token's logits lie before the last {logits_B_K_V.shape[1]} positions kept")
+    # A padded entry may point before the window: it is masked, and any index in range will do.
+    index = positions_B_C.clamp(min=0).unsqueeze(-1).expand(-1, -1, logits_B_K_V.shape[-1])
+    return torch.gather(logits_B_K_V, 1, index)
 
 
 def split_generated(

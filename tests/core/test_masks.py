@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from redteam_grpo.core.tokens.masks import gather_completion_logits, pack_sequences, split_generated
+from redteam_grpo.core.tokens.masks import (
+    gather_completion_logits,
+    logits_window,
+    pack_sequences,
+    pack_spans,
+    split_generated,
+)
 
 PAD = 0
 EOS = 9
@@ -87,3 +93,28 @@ def test_end_of_turn_ids_include_the_chat_end_token_when_eos_is_another():
     # Qwen3 base-style: eos is <|endoftext|> but a chat turn ends with <|im_end|>
     assert end_of_turn_ids(tok) == [0, 2]
     assert end_of_turn_ids(tok, generation_eos=[2, 0]) == [0, 2]
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_logits_of_the_window_alone_gather_what_the_logits_of_every_position_gather(padding):
+    # Single-turn rows of different prompt lengths, and dialogue rows whose trained spans start at different places.
+    for packed in (
+        pack_sequences([[5, 6, 7, 8, 9], [7, 7], [1, 2, 3]], [[11, 12], [13, 14, 15, EOS], []], PAD, padding),
+        pack_spans([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4]], [[(3, 4), (6, 8)], [(2, 4)]], PAD, padding),
+    ):
+        width = packed.input_ids_B_T.shape[1]
+        logits = torch.randn(packed.input_ids_B_T.shape[0], width, 16)
+        keep = logits_window(packed)
+        mask = packed.completion_mask_B_C
+        expected = gather_completion_logits(logits, packed)[mask]
+        assert torch.equal(gather_completion_logits(logits[:, width - keep :], packed)[mask], expected)
+        # the window is the smallest that holds them: one position fewer drops a trained token's logits
+        with pytest.raises(ValueError, match="before the last"):
+            gather_completion_logits(logits[:, width - keep + 1 :], packed)
+
+
+def test_the_window_starts_at_the_earliest_trained_token_of_the_batch():
+    # right padding: row 0's completion starts after 4 prompt tokens, row 1's after 2; the packed rows are 6 wide
+    packed = pack_sequences([[1, 2, 3, 4], [1, 2]], [[5, 6], [3]], PAD, "right")
+    assert logits_window(packed) == 6 - 1  # the logits at index 1 predict row 1's first completion token
+    assert logits_window(pack_sequences([[1, 2]], [[]], PAD, "right")) == 1  # nothing trained: 0 would mean all

@@ -7,8 +7,9 @@ import torch
 
 from redteam_grpo.core.config import ModelConfig, TrainingConfig
 from redteam_grpo.core.models.chat import format_prompt_ids, format_sft_ids
-from redteam_grpo.core.models.policy import PolicyError, load_policy
+from redteam_grpo.core.models.policy import PolicyError, completion_logits, load_policy
 from redteam_grpo.core.rollouts.sampling import sample_completions
+from redteam_grpo.core.tokens.masks import gather_completion_logits, pack_sequences
 from redteam_grpo.core.training.kl import policy_reference_logprobs, sequence_kl
 from redteam_grpo.core.training.train import TrainBatch, make_optimizer, policy_gradient_step
 
@@ -117,6 +118,33 @@ def test_training_forward_sees_exactly_the_ids_the_sampler_fed_and_drew(tiny_pol
         n = len(prompt_ids[c.prompt_index]) + len(c.completion_ids)
         assert row[:n] == fed + c.completion_ids
         assert all(t == pad for t in row[n:])
+
+
+def test_the_trainers_logits_are_those_of_a_forward_over_every_position_though_the_head_sees_the_window_only(
+    tiny_policy,
+):
+    prompt_ids, completions = _sample(tiny_policy, group_size=2)
+    batch = _batch(prompt_ids, completions)
+    head_inputs = []
+    head = tiny_policy.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, args, out: head_inputs.append(args[0].shape[1]))
+    with torch.no_grad():
+        logits, ids, mask = completion_logits(tiny_policy, batch.prompt_ids, batch.completion_ids)
+    hook.remove()
+    packed = pack_sequences(batch.prompt_ids, batch.completion_ids, tiny_policy.pad_id, padding="right")
+    with torch.no_grad():
+        every_position = tiny_policy.model(
+            input_ids=packed.input_ids_B_T,
+            attention_mask=packed.attention_mask_B_T,
+            position_ids=packed.position_ids_B_T,
+            use_cache=False,
+        ).logits
+    expected = gather_completion_logits(every_position, packed).float()
+    assert torch.equal(ids, packed.completion_ids_B_C) and torch.equal(mask, packed.completion_mask_B_C)
+    assert torch.allclose(logits[mask], expected[mask], atol=1e-5, rtol=0)
+    shortest_prompt = min(len(p) for p in batch.prompt_ids)
+    assert head_inputs == [packed.input_ids_B_T.shape[1] - shortest_prompt + 1]  # not every position
+    assert head_inputs[0] < packed.input_ids_B_T.shape[1]
 
 
 def test_sft_tokenization_starts_with_exactly_the_rl_prompt_ids(tiny_policy):
