@@ -29,6 +29,7 @@ _PROJECT_ERRORS = (
     ("redteam_grpo.core.rollouts.sampling", "SamplingError"),
     ("redteam_grpo.core.training.train", "RatioCheckError"),
     ("redteam_grpo.core.training.train", "NonFiniteUpdateError"),
+    ("redteam_grpo.core.training.staleness", "StaleRolloutsError"),
     ("redteam_grpo.storage.rundir", "RunDirError"),
     ("redteam_grpo.storage.schemas", "SchemaError"),
     ("redteam_grpo.storage.checkpoints", "CheckpointError"),

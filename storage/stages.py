@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from redteam_grpo.core.config import Config
-from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.models.roles import ATTACKER, ATTACKER_SPEAKER, DEFAULT_ROLE, POLICY_SPEAKER
 from redteam_grpo.storage import checkpoints, schemas
 
 
@@ -132,6 +132,7 @@ class Learner:
     group_size: Callable[[Config], int]  # the completions of one group: the advantage's baseline
     max_new_tokens: Callable[[Config], int]  # the longest completion it samples
     per_turn: bool  # dialogue.rewards=per_turn applies: its rollouts are dialogues rewarded turn by turn
+    speaker: str  # the `speaker` of the rollouts rows it drew (a dialogue also holds the other speaker's)
 
 
 POLICY = Learner(
@@ -144,6 +145,7 @@ POLICY = Learner(
     group_size=lambda cfg: cfg.sampling.group_size,
     max_new_tokens=lambda cfg: cfg.sampling.max_new_tokens,
     per_turn=True,
+    speaker=POLICY_SPEAKER,
 )
 ATTACKER_LEARNER = Learner(
     ATTACKER,
@@ -155,5 +157,6 @@ ATTACKER_LEARNER = Learner(
     group_size=lambda cfg: cfg.defense.prompts_per_goal,  # a goal's prompts form a group
     max_new_tokens=lambda cfg: cfg.defense.attacker_max_new_tokens,
     per_turn=False,
+    speaker=ATTACKER_SPEAKER,
 )
 LEARNERS: dict[str, Learner] = {learner.role: learner for learner in (POLICY, ATTACKER_LEARNER)}

@@ -22,7 +22,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage.stages import ATTACK
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
-from redteam_grpo.tasks.sample import rollouts_stats, sample_rollouts, vllm_draw
+from redteam_grpo.tasks.sample import held_version, rollouts_stats, sample_rollouts, vllm_draw
 
 
 @task(name=ATTACK.name, cache_policy=NO_CACHE)
@@ -52,6 +52,7 @@ def attack_stage(run_dir: str, iteration: int) -> str:
                 cfg.defense.attacker_max_new_tokens,
                 cfg.sampling.batch_size,
                 seed,
+                held_version(res, ATTACKER),
                 draw,
                 speaker=ATTACKER_SPEAKER,
             )

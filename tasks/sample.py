@@ -31,7 +31,7 @@ from redteam_grpo.core.rollouts.sampling import Completion, sample_completions
 from redteam_grpo.core.rollouts.shards import shard_seed, shard_span
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.modes import mode_of
-from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.rundir import INIT_VERSION, RunDir
 from redteam_grpo.storage.stages import SAMPLE, Stage
 from redteam_grpo.tasks.common import run_sharded_stage
 from redteam_grpo.tasks.logs import stage_logger
@@ -52,13 +52,15 @@ def sample_rollouts(
     max_new_tokens: int,
     batch_size: int,
     seed: int,
+    policy_version: int,
     draw: Callable[[list[list[int]]], list[Completion]] | None = None,
     speaker: str = POLICY_SPEAKER,
 ) -> pa.Table:
     """Sample `samples_per_prompt` completions of every prompt with the active adapter; the rollouts table (prompt
     ids exactly as fed, completion ids exactly as drawn, one sampling logprob per token), every row turn 0 of
-    `speaker`. `draw(prompt_ids)`: another sampler of the same contract (the vLLM server's client) instead of the
-    in-process one."""
+    `speaker`. `policy_version`: the version of the active adapter's weights, as the run's resources hold them.
+    `draw(prompt_ids)`: another sampler of the same contract (the vLLM server's client) instead of the in-process
+    one."""
     tokenizer = policy.tokenizer
     prompt_ids = [format_prompt_ids(tokenizer, p.text, system_prompt) for p in prompts]
     check_prompt_lengths(list(prompts), prompt_ids, max_prompt_tokens)
@@ -77,6 +79,7 @@ def sample_rollouts(
         prompt_token_ids=[prompt_ids[c.prompt_index] for c in completions],
         turn=[0] * len(completions),
         speaker=[speaker] * len(completions),
+        policy_version=[policy_version] * len(completions),
     )
 
 
@@ -88,9 +91,10 @@ def rollouts_table(
     messages: Sequence[Completion | DialogueTurn],
     **per_row: list,
 ) -> pa.Table:
-    """The rollouts table of sampled `messages` (completions, or a dialogue's turns) drawn with `seed` by the weights
-    after iteration - 1; `per_row`: the columns that depend on the message's prompt (prompt_id, prompt,
-    prompt_token_ids, turn, speaker), and completion_text when the caller decoded it already."""
+    """The rollouts table of sampled `messages` (completions, or a dialogue's turns) drawn with `seed`; `per_row`:
+    the columns that depend on the message's prompt or speaker (prompt_id, prompt, prompt_token_ids, turn, speaker,
+    policy_version: the weights that drew it, as held, never the iteration's arithmetic: the trainer checks it,
+    core/training/staleness.py), and completion_text when the caller decoded it already."""
     n = len(messages)
     completion_ids = [m.completion_ids for m in messages]
     if "completion_text" not in per_row:
@@ -104,7 +108,6 @@ def rollouts_table(
             "sampling_logprobs": [m.sample_logprobs for m in messages],
             "finish_reason": [m.finish_reason for m in messages],
             "completion_length": [len(ids) for ids in completion_ids],
-            "policy_version": [iteration - 1] * n,
             "sampling_seed": [seed] * n,
             "temperature": [policy.distribution.temperature] * n,
             **per_row,
@@ -175,10 +178,12 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
         }
         openings = [first_turn[p.prompt_id] for p in prompts]
         attacker = functools.partial(policy.role, ATTACKER)
+        drawn_by = {POLICY_SPEAKER: held_version(res, DEFAULT_ROLE), ATTACKER_SPEAKER: held_version(res, ATTACKER)}
     else:
         instructions = cfg.dialogue.attacker_system_prompt
         openings = [glue.opening(instructions.replace("{prompt}", p.text)) for p in prompts]
         attacker = policy.reference
+        drawn_by = {POLICY_SPEAKER: held_version(res, DEFAULT_ROLE), ATTACKER_SPEAKER: INIT_VERSION}  # the base
 
     def sample(prompt_ids: list[list[int]], max_new_tokens: int, turn_seed: int, group_size: int) -> list[Completion]:
         return sample_completions(policy, prompt_ids, group_size, max_new_tokens, cfg.sampling.batch_size, turn_seed)
@@ -223,7 +228,16 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
         completion_text=texts,
         turn=[r.turn for r in records],
         speaker=[r.speaker for r in records],
+        policy_version=[drawn_by[r.speaker] for r in records],
     )
+
+
+def held_version(res: RunResources, role: str) -> int:
+    """The version of `role`'s weights in memory, which its rows record as the weights that drew them."""
+    version = res.roles[role].version
+    if version is None:
+        raise RuntimeError(f"the {role!r} adapter in memory is not one of the run's checkpoints: load one first")
+    return version
 
 
 def rollouts_stats(table: pa.Table, policy: Policy) -> RolloutStats:
@@ -315,6 +329,7 @@ def sample_shard(run_dir: str, iteration: int, shard: int, session: str | None =
         cfg.sampling.max_new_tokens,
         cfg.sampling.batch_size,
         seed,
+        held_version(res, DEFAULT_ROLE),
         draw,
     )
     path = res.run.write(SAMPLE, iteration, table, res.run.part_path(SAMPLE, iteration, shard, cfg.runtime.shards))

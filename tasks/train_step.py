@@ -14,6 +14,7 @@ from redteam_grpo.core.metrics.registry import iteration_metrics
 from redteam_grpo.core.rollouts.diagnostics import health_warnings
 from redteam_grpo.core.rollouts.dialogue import policy_rows
 from redteam_grpo.core.tokens.logprobs import SamplingDistribution
+from redteam_grpo.core.training.staleness import StaleRolloutsError, check_staleness
 from redteam_grpo.core.training.train import NonFiniteUpdateError, TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
@@ -52,6 +53,9 @@ def attack_train_step_stage(run_dir: str, iteration: int) -> str:
     return update_stage(run_dir, iteration, ATTACKER_LEARNER)
 
 
+SYNCHRONOUS = 0  # max_staleness: an iteration samples with the weights its own update starts from
+
+
 def train_batch(
     run: RunDir,
     learner: Learner,
@@ -63,8 +67,15 @@ def train_batch(
     """The learner's rollouts of `iteration` joined with their advantages. Dialogues (rows of later turns): one row per
     dialogue, its last turn's prompt and completion with the spans of the policy's own turns
     (core/rollouts/dialogue.py). The distribution drawn from is the temperature the rollouts recorded, with the
-    policy's `suppressed_ids`: the first-update bound is the sampler's, whatever the trainer replays."""
-    trained = policy_rows(run.read(learner.rollouts, iteration).to_pydict())
+    policy's `suppressed_ids`: the first-update bound is the sampler's, whatever the trainer replays. Every row the
+    learner drew must be drawn by the weights its update starts from (core/training/staleness.py)."""
+    table = run.read(learner.rollouts, iteration).to_pydict()
+    own_rows = [v for v, s in zip(table["policy_version"], table["speaker"], strict=True) if s == learner.speaker]
+    try:
+        check_staleness(own_rows, iteration, SYNCHRONOUS, learner.rollouts.name)
+    except StaleRolloutsError as exc:
+        raise StaleRolloutsError(f"{exc}: redteam-grpo {run.command} --resume {run.root} --redo {iteration}") from None
+    trained = policy_rows(table)
     rollouts = trained.columns
     advantages = run.read(learner.advantages, iteration).to_pydict()
     rows = join_on_keys(rollouts, advantages, "rollouts x advantages")

@@ -97,6 +97,20 @@ BUG_CLASSES = [
         "tests/core/test_policy_invariants.py::test_the_trainers_logits_are_those_of_a_forward_over_every_position_though_the_head_sees_the_window_only",
     ),
     (
+        "stale-rollouts-trained-on",
+        "tasks/train_step.py",
+        "check_staleness(own_rows, iteration, SYNCHRONOUS, learner.rollouts.name)",
+        "check_staleness([], iteration, SYNCHRONOUS, learner.rollouts.name)",
+        "tests/tasks/test_stages.py::test_each_row_records_the_weights_that_drew_it_as_held_and_an_update_trains_on_those_alone",
+    ),
+    (
+        "rollouts-drawn-by-another-version",
+        "tasks/sample.py",
+        "res.ensure_version(iteration - 1)",
+        "res.ensure_version(max(iteration - 2, -1))",
+        "tests/tasks/test_stages.py::test_each_row_records_the_weights_that_drew_it_as_held_and_an_update_trains_on_those_alone",
+    ),
+    (
         "mask-from-token-values",
         "core/tokens/masks.py",
         "mask[b, c : c + end - start] = True",

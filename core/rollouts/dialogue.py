@@ -22,6 +22,7 @@ from itertools import pairwise
 from typing import Any
 
 from redteam_grpo.core.models.chat import build_messages, turn_closing_id
+from redteam_grpo.core.models.roles import ATTACKER_SPEAKER, POLICY_SPEAKER
 from redteam_grpo.core.seeds import derive_seed
 
 # Marker texts the glue is read between; never tokenized themselves.
@@ -137,10 +138,6 @@ def speaker_row(turns: Sequence[SpeakerTurn]) -> tuple[list[int], list[tuple[int
     spans = [(len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.completion_ids)) for turn in turns]
     logprobs = [float(lp) for turn in turns for lp in turn.logprobs]
     return sequence, spans, logprobs
-
-
-POLICY_SPEAKER = "policy"
-ATTACKER_SPEAKER = "attacker"
 
 
 @dataclass(frozen=True)

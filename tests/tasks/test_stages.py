@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from redteam_grpo.core.config import load_config
 from redteam_grpo.core.scoring.scorers import ScorerError
 from redteam_grpo.core.training.kl import policy_reference_logprobs
+from redteam_grpo.core.training.staleness import StaleRolloutsError
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ADVANTAGE, CHECKPOINT, SAMPLE, SCORE, TRAIN_STEP
@@ -42,12 +44,12 @@ def run(tmp_path):
     resources.forget(run.root)
 
 
-def _write(run, iteration, stage, table):
+def _write(run, iteration, stage, table, stats=None):
     """Put a table in place by hand, whatever its schema, and record it as the stage's output."""
     path = run.path(stage, iteration)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path)
-    run.record_done(stage, iteration, [path], stats={})
+    run.record_done(stage, iteration, [path], stats=stats or {})
 
 
 def test_every_stage_output_is_read_back_by_the_next_stage(run):
@@ -175,6 +177,36 @@ def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
     _write(run, 0, ADVANTAGE, table.slice(0, table.num_rows - 1))  # one advantage lost
     with pytest.raises(JoinError, match="unmatched keys"):
         train_step_stage.fn(root, 0)
+
+
+def _iterate(root, iteration):
+    sample_stage(root, iteration)
+    score_stage(root, iteration)
+    advantage_stage.fn(root, iteration)
+    train_step_stage.fn(root, iteration)
+    checkpoint_stage.fn(root, iteration)
+
+
+def test_each_row_records_the_weights_that_drew_it_as_held_and_an_update_trains_on_those_alone(run):
+    # Bug classes stale-rollouts-trained-on and rollouts-drawn-by-another-version (docs/bug-classes.md).
+    root = str(run.root)
+    initialize_stage.fn(root)
+    _iterate(root, 0)
+    sample_stage(root, 1)
+    versions = run.read(SAMPLE, 1).column("policy_version").to_pylist()
+    assert versions == [0] * 6  # drawn by the weights after iteration 0's update, which iteration 1 trains from
+    score_stage(root, 1)
+    advantage_stage.fn(root, 1)
+    # the same rows, as if the weights before iteration 0's update had drawn them: refused, whatever they hold
+    table, stats = pq.read_table(run.path(SAMPLE, 1)), recorded_stats(run, SAMPLE, 1)
+    stale = table.set_column(
+        table.schema.get_field_index("policy_version"), "policy_version", pa.array([-1] * 6, pa.int32())
+    )
+    _write(run, 1, SAMPLE, stale, stats)
+    with pytest.raises(StaleRolloutsError, match=r"version\(s\) \[-1\].*by version 0 alone.*--redo 1"):
+        train_step_stage.fn(root, 1)
+    _write(run, 1, SAMPLE, table, stats)
+    train_step_stage.fn(root, 1)  # the rows as drawn train
 
 
 def test_a_renamed_column_between_stages_is_an_error_not_zeros(run):

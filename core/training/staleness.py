@@ -1,0 +1,36 @@
+"""Which rollouts an update may train on: those drawn by weights at most `max_staleness` updates old.
+
+Every rollouts row records the version of the adapter that drew it (the iteration whose update made the weights,
+-1 for the initial checkpoint), read off the weights the sampler held, not computed from the iteration. The update of
+iteration i starts from the weights after i - 1; a row drawn by those is on-policy, one drawn by i - 1 - k is k updates
+stale. The synchronous pipeline trains on-policy rows alone (max_staleness 0). A row drawn by older weights than the
+bound is one whose logprobs the ratio's correction was not made for (bug class `stale-rollouts-trained-on`,
+docs/bug-classes.md); one drawn by newer weights than the update starts from cannot have been drawn by this run's
+history at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class StaleRolloutsError(ValueError):
+    pass
+
+
+def check_staleness(versions: Iterable[int], iteration: int, max_staleness: int, what: str = "rollouts") -> None:
+    """Refuse rows for iteration `iteration`'s update whose adapter version lies outside
+    [iteration - 1 - max_staleness, iteration - 1]."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be 0 or more, got {max_staleness}")
+    newest = iteration - 1
+    oldest = newest - max_staleness
+    drawn = sorted(set(versions))
+    outside = [v for v in drawn if not oldest <= v <= newest]
+    if outside:
+        bound = f"version {newest}" if max_staleness == 0 else f"versions {oldest}..{newest}"
+        raise StaleRolloutsError(
+            f"{what} of iteration {iteration} hold rows drawn by adapter version(s) {outside}; its update may train "
+            f"on rows drawn by {bound} alone (-1: the initial checkpoint). They were sampled with other weights than "
+            "the update's ratio assumes: sample the iteration again"
+        )
