@@ -139,6 +139,13 @@ BUG_CLASSES = [
         "tests/flows/test_self_play.py::test_self_play_updates_both_adapters_each_on_its_own_rollouts",
     ),
     (
+        "kl-skipped-for-a-trained-adapter",
+        "core/models/policy.py",
+        "if torch.count_nonzero(lora_b[active].weight):",
+        "if torch.count_nonzero(lora_b[active].weight) and False:",
+        "tests/core/test_kl.py::test_at_a_zero_adapter_one_forward_gives_both_sides_as_the_reference_forward_would_and_never_elsewhere",
+    ),
+    (
         "reference-carries-adapter",
         "core/models/policy.py",
         "with self.model.disable_adapter():",

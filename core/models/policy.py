@@ -215,6 +215,25 @@ class Policy:
         with self.model.disable_adapter():
             yield
 
+    def adapter_is_zero(self) -> bool:
+        """Whether the active adapter adds exactly nothing to the base: every one of its LoRA B matrices is 0, as PEFT
+        initialises them (a role's initial adapter, unless the run started from trained weights). A forward with it
+        then gives the reference's logits bit for bit. False for an adapter with anything else that could differ
+        (a DoRA magnitude), and where the active adapter has no LoRA layer at all."""
+        active = self.model.active_adapter
+        found = False
+        for module in self.model.modules():
+            magnitude = getattr(module, "lora_magnitude_vector", None)
+            if magnitude is not None and active in magnitude:
+                return False
+            lora_b = getattr(module, "lora_B", None)
+            if lora_b is None or active not in lora_b:
+                continue
+            found = True
+            if torch.count_nonzero(lora_b[active].weight):
+                return False
+        return found
+
     @property
     def roles(self) -> list[str]:
         return list(self.model.peft_config)

@@ -80,10 +80,14 @@ def policy_entropy_reference_logprobs(
     policy: Policy, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], spans: Spans = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """As `policy_reference_logprobs`, plus the policy's entropy at every completion position [B, C] (on the same
-    sampling distribution): the defense reward's entropy term, from the same forward."""
+    sampling distribution): the defense reward's entropy term, from the same forward. Where the active adapter is
+    zero (a run's first iteration) the policy is the base: one forward gives both sides, equal bit for bit as the
+    second forward would give them, and the KL is exactly 0."""
     logits_B_C_V, ids_B_C, mask_B_C = _logits(policy, prompt_ids, completion_ids, spans)
     logprobs_B_C_V = policy.distribution.logprobs(logits_B_C_V)
     policy_lp_B_C, entropy_B_C = token_logprobs(logprobs_B_C_V, ids_B_C), entropy(logprobs_B_C_V)
+    if policy.adapter_is_zero():
+        return policy_lp_B_C.cpu(), policy_lp_B_C.cpu().clone(), entropy_B_C.cpu(), mask_B_C.cpu()
     reference_lp_B_C, _ = reference_logprobs(policy, prompt_ids, completion_ids, spans)
     return policy_lp_B_C.cpu(), reference_lp_B_C, entropy_B_C.cpu(), mask_B_C.cpu()
 

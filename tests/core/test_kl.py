@@ -7,7 +7,13 @@ from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import completion_logits
 from redteam_grpo.core.rollouts.sampling import sample_completions
 from redteam_grpo.core.tokens.logprobs import SamplingDistribution
-from redteam_grpo.core.training.kl import k3_kl, policy_reference_logprobs, sequence_kl
+from redteam_grpo.core.training.kl import (
+    k3_kl,
+    policy_entropy_reference_logprobs,
+    policy_reference_logprobs,
+    reference_logprobs,
+    sequence_kl,
+)
 
 PROMPTS = [
     "Hi",
@@ -92,3 +98,34 @@ def test_kl_estimate_is_unbiased_for_the_kl_between_the_distributions_sampled_at
     exact_N = _exact_kl_B_C(policy_all_N_V, reference_all_N_V)
     assert exact_N.mean() > 0.5
     torch.testing.assert_close(expected_k3_N, exact_N, atol=1e-5, rtol=1e-5)
+
+
+def test_at_a_zero_adapter_one_forward_gives_both_sides_as_the_reference_forward_would_and_never_elsewhere(
+    tiny_policy,
+):
+    prompt_ids = [format_prompt_ids(tiny_policy.tokenizer, p, "You are a helpful assistant.") for p in PROMPTS]
+    completions = sample_completions(tiny_policy, prompt_ids, group_size=2, max_new_tokens=12, batch_size=6, seed=0)
+    prompts, ids = [prompt_ids[c.prompt_index] for c in completions], [c.completion_ids for c in completions]
+    forwards = []
+    hook = tiny_policy.model.get_input_embeddings().register_forward_hook(lambda *_: forwards.append(1))
+
+    assert tiny_policy.adapter_is_zero()  # PEFT's initial B
+    policy_lp, reference_lp, _, mask = policy_entropy_reference_logprobs(tiny_policy, prompts, ids)
+    assert len(forwards) == 1
+    skipped, _ = reference_logprobs(tiny_policy, prompts, ids)
+    assert torch.equal(reference_lp[mask], skipped[mask])  # what the forward it saved would have given, bit for bit
+    assert torch.equal(sequence_kl(policy_lp, reference_lp, mask), torch.zeros(len(ids)))
+
+    # one entry of one B matrix of the default adapter moved: the policy is not the base any more
+    with torch.no_grad():
+        weight = next(p for n, p in tiny_policy.model.named_parameters() if "lora_B.default" in n)
+        weight[0, 0] = 0.5
+    tiny_policy.add_role("attacker")  # another role's adapter, still zero, does not stand for the active one
+    assert not tiny_policy.adapter_is_zero()
+    forwards.clear()
+    policy_lp, reference_lp, _, mask = policy_entropy_reference_logprobs(tiny_policy, prompts, ids)
+    hook.remove()
+    assert len(forwards) == 2
+    assert (sequence_kl(policy_lp, reference_lp, mask) > 0).any()
+    with tiny_policy.role("attacker"):
+        assert tiny_policy.adapter_is_zero()
