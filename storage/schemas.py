@@ -132,6 +132,42 @@ EVALUATION = pa.schema(
     ]
 )
 
+# `redteam-grpo evaluate` of a defense run (tasks/evaluate_defense.py): one row per answer, of the base and of the
+# defended adapter on each set, and of each transfer target on the adversarial examples.
+DEFENSE_EVALUATION = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("checkpoint", pa.string(), nullable=False),  # the defender's adapter evaluated: "iter_0003"
+        pa.field("policy", pa.string(), nullable=False),  # "base" | "defended" | a transfer target's model name
+        # "heldout_goals" (the attacker's prompts for held-out goals) | "prompt_file" | "benign" (over-refusal) |
+        # "transfer" (the attacks the base answered unsafely, answered by each target)
+        pa.field("set", pa.string(), nullable=False),
+        pa.field("target", pa.string(), nullable=False),  # the model that answered (hub id, folder, embedded:*)
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("sample_idx", pa.int32(), nullable=False),
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("response", pa.string(), nullable=False),
+        pa.field("harm", pa.float64(), nullable=True),  # null: the scorer gave no score
+        pa.field("unsafe", pa.bool_(), nullable=False),  # harm >= the success threshold
+        pa.field("refusal", pa.bool_(), nullable=False),
+        pa.field("kl_to_base", pa.float64(), nullable=False),  # the defended adapter's benign answers; NaN elsewhere
+        pa.field("scorer_name", pa.string(), nullable=False),
+        pa.field("scorer_revision", pa.string(), nullable=False),
+        pa.field("scorer_format", pa.string(), nullable=False),
+    ]
+)
+
+# The summary beside every evaluation's rows (`summary-<rows file>`): one long table, what `report` shows.
+EVALUATION_SUMMARY = pa.schema(
+    [
+        ("policy", pa.string()),  # a policy of the run, "checks", or a transfer target's model name
+        ("metric", pa.string()),
+        ("tau", pa.float64()),
+        ("value", pa.float64()),
+        ("judge", pa.string()),  # the scorer behind an attack-success or refusal figure (`judge_label`), else null
+    ]
+)
+
 
 class SchemaError(ValueError):
     """A Parquet file does not match its stage's schema."""

@@ -73,15 +73,6 @@ def summary_path(rows_path: Path) -> Path:
     return rows_path.with_name("summary-" + rows_path.name)
 
 
-SUMMARY = pa.schema(
-    [
-        ("policy", pa.string()),  # a policy of the run, or a transfer target's model name
-        ("metric", pa.string()),
-        ("tau", pa.float64()),
-        ("value", pa.float64()),
-        ("judge", pa.string()),  # the scorer behind an attack-success or refusal figure (`judge_label`), else null
-    ]
-)
 JUDGED = ("attack_success_rate", "harm_mean", "refusal_rate", "over_refusal", "transfer_attack_success_rate", "asr_")
 
 
@@ -91,7 +82,7 @@ def write_summary(rows_path: Path, records: list[dict[str, Any]], judge: str | N
     for r in records:
         r.setdefault("tau", math.nan)
         r["judge"] = judge if r["metric"].startswith(JUDGED) else None
-    table = pa.Table.from_pylist(records, schema=SUMMARY)
+    table = pa.Table.from_pylist(records, schema=schemas.EVALUATION_SUMMARY)
     path = summary_path(rows_path)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     return path

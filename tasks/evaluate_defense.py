@@ -23,8 +23,6 @@ import contextlib
 import math
 from typing import Any
 
-import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -36,7 +34,7 @@ from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.scoring.scorers import Goal
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import SftExample, sft_examples, sft_loss
-from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
@@ -217,7 +215,9 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         / f"{name}-defense-p{num_prompts}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     )
     path.parent.mkdir(exist_ok=True)
-    table = pa.Table.from_pandas(pd.DataFrame(rows), preserve_index=False)
+    names = dict.fromkeys(k for r in rows for k in r)  # every row's columns: one missing or extra is an error
+    columns = {k: [r.get(k) for r in rows] for k in names}
+    table = schemas.to_table(columns, schemas.DEFENSE_EVALUATION, f"the defense evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     checks = defense_checks(summary["base"], summary["defended"], over_refusal_margin, perplexity_limit)
     write_summary(

@@ -31,6 +31,7 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
@@ -41,7 +42,7 @@ from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.flows.evaluate import evaluate
 from redteam_grpo.flows.sft import sft_run
-from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK, SAMPLE, SCORE, SFT_TRAIN, TRAIN_STEP
 
@@ -125,6 +126,7 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
 
     # evaluation: every set for both policies in one file; its summary is what the report shows
     result = evaluate(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4), artifacts=False)
+    assert pq.read_schema(result["path"]).remove_metadata() == schemas.DEFENSE_EVALUATION  # a column lost: an error
     rows = pd.read_parquet(result["path"])
     evaluated = [call for call in told[training_calls:] if call is not None]  # the held-out goals' attacks only
     assert len(evaluated) == 2 and {g.text for call in evaluated for g in call} <= set(
