@@ -288,32 +288,47 @@ def evaluate(
     except EvaluationError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    import pandas as pd
-
-    if "held_out" in result:
-        rows = [{"policy": policy, **result[policy]} for policy in result["policies"]]
-        where = "held-out" if result["held_out"] else "training (no held-out prompts left)"
-        title = f"{run.run_id} {result['checkpoint']} on {where} prompts; over-refusal on benign prompts"
-        _print_frame(pd.DataFrame(rows), title=f"{title}\njudge: {result['judge']}")
-        redteam = pd.DataFrame(result["redteam"]).pivot(index="tau", columns="policy")
-        redteam.columns = [f"{metric} {policy}" for metric, policy in redteam.columns]
-        redteam = redteam[[c for c in redteam.columns if not c.startswith("n_successful")]].reset_index()
-        _print_frame(redteam, title="quality@tau and diversity of the cases above tau (Hong et al. 2024)")
-    else:  # defense: metrics as rows, base and defended side by side
-        frame = pd.DataFrame({policy: result[policy] for policy in result["policies"]})
-        frame.insert(0, "metric", frame.index)
-        _print_frame(frame, title=f"{run.run_id} {result['checkpoint']}: defended vs base\njudge: {result['judge']}")
-        checks = result["checks"]
-        flag = {True: "[red]FLAGGED[/red]", False: "ok"}
-        console.print(
-            f"unsafe share on held-out goals: {result['base']['asr_heldout_goals']:.3f} -> "
-            f"{result['defended']['asr_heldout_goals']:.3f}; over-refusal {checks['over_refusal_increase']:+.3f} "
-            f"(limit +{checks['over_refusal_margin']:g}): {flag[checks['over_refusal_flag']]}; perplexity "
-            f"x{checks['perplexity_ratio']:.2f} (limit x{checks['perplexity_limit']:g}): "
-            f"{flag[checks['retention_flag']]}"
-        )
+    PRINTERS[result["evaluation"]](run.run_id, result)
     _print_extras(result)
     console.print(f"responses: {result['path']}")
+
+
+def _print_redteam(run_id: str, result: dict) -> None:
+    import pandas as pd
+
+    rows = [{"policy": policy, **result[policy]} for policy in result["policies"]]
+    where = "held-out" if result["held_out"] else "training (no held-out prompts left)"
+    title = f"{run_id} {result['checkpoint']} on {where} prompts; over-refusal on benign prompts"
+    _print_frame(pd.DataFrame(rows), title=f"{title}\njudge: {result['judge']}")
+    redteam = pd.DataFrame(result["redteam"]).pivot(index="tau", columns="policy")
+    redteam.columns = [f"{metric} {policy}" for metric, policy in redteam.columns]
+    redteam = redteam[[c for c in redteam.columns if not c.startswith("n_successful")]].reset_index()
+    _print_frame(redteam, title="quality@tau and diversity of the cases above tau (Hong et al. 2024)")
+
+
+def _print_defense(run_id: str, result: dict) -> None:
+    """Metrics as rows, base and defended side by side, then the two flags."""
+    import pandas as pd
+
+    from redteam_grpo.cli.main import console
+
+    frame = pd.DataFrame({policy: result[policy] for policy in result["policies"]})
+    frame.insert(0, "metric", frame.index)
+    _print_frame(frame, title=f"{run_id} {result['checkpoint']}: defended vs base\njudge: {result['judge']}")
+    checks = result["checks"]
+    flag = {True: "[red]FLAGGED[/red]", False: "ok"}
+    console.print(
+        f"unsafe share on held-out goals: {result['base']['asr_heldout_goals']:.3f} -> "
+        f"{result['defended']['asr_heldout_goals']:.3f}; over-refusal {checks['over_refusal_increase']:+.3f} "
+        f"(limit +{checks['over_refusal_margin']:g}): {flag[checks['over_refusal_flag']]}; perplexity "
+        f"x{checks['perplexity_ratio']:.2f} (limit x{checks['perplexity_limit']:g}): "
+        f"{flag[checks['retention_flag']]}"
+    )
+
+
+# How `evaluate` prints a result, by the evaluation that wrote it (its "evaluation" key; flows/evaluate.py:
+# EVALUATIONS runs them).
+PRINTERS = {"redteam": _print_redteam, "defense": _print_defense}
 
 
 def _print_extras(result: dict) -> None:

@@ -236,6 +236,7 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
     held_out_rows = [r for r in rows if r["set"] == HELD_OUT]
     redteam = redteam_rows(held_out_rows, cfg, device, seed)
     summary = {
+        "evaluation": "redteam",  # which evaluation wrote it: what the CLI prints it as (cli/runs.py: PRINTERS)
         "run_id": run.run_id,
         "checkpoint": name,
         "path": str(path),

@@ -233,6 +233,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         judged_by,
     )
     result = {
+        "evaluation": "defense",  # which evaluation wrote it: what the CLI prints it as (cli/runs.py: PRINTERS)
         "run_id": run.run_id,
         "checkpoint": name,
         "path": str(path),

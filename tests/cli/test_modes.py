@@ -66,3 +66,12 @@ def test_evaluating_an_sft_run_says_where_its_measure_is(tmp_path):
         assert "SFT run" in str(exc) and "sft_metrics.parquet" in str(exc)
     else:
         raise AssertionError("an SFT run was evaluated as a red-team run")
+
+
+def test_every_evaluation_a_mode_names_is_run_by_the_flow_and_printed_by_the_cli():
+    from redteam_grpo.cli.runs import PRINTERS
+    from redteam_grpo.flows.evaluate import EVALUATIONS
+    from redteam_grpo.storage.modes import MODES
+
+    named = {mode.evaluation for mode in MODES.values() if mode.evaluation is not None}
+    assert named == set(EVALUATIONS) == set(PRINTERS)

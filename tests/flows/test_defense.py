@@ -36,6 +36,7 @@ import pytest
 from safetensors.torch import load_file
 
 from redteam_grpo.cli.report import write_report
+from redteam_grpo.cli.runs import PRINTERS
 from redteam_grpo.core.config import load_config
 from redteam_grpo.core.data.sources import DataError
 from redteam_grpo.core.evaluation import EvaluationOptions
@@ -82,7 +83,7 @@ def test_sft_learns_the_pairs_and_writes_a_checkpoint_a_defense_run_can_start_fr
     assert manifest["system_prompt"] == run.stored_config().model.system_prompt
 
 
-def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path, attacker, monkeypatch):
+def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path, attacker, monkeypatch, capsys):
     from redteam_grpo.core.scoring.backend import LocalScoring
 
     told = []  # the goals each scoring call was given (bug class judge-told-the-attack-not-the-goal)
@@ -145,6 +146,10 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert result["base"]["kl_to_base_benign"] == 0.0 and result["defended"]["kl_to_base_benign"] > 0.0
     assert held_out  # the bundled held-out goals exist and are not training goals
     assert not held_out & set(run.read(ATTACK, 1).to_pandas().prompt)
+    capsys.readouterr()
+    PRINTERS[result["evaluation"]](run.run_id, result)  # what `redteam-grpo evaluate` prints of it
+    printed = "".join(capsys.readouterr())  # the tables on stdout, the flags on the CLI's console (stderr)
+    assert "defended vs base" in printed and "unsafe share on held-out goals" in printed and "over-refusal" in printed
     report = write_report(run).read_text()
     assert 'id="evaluation"' in report and "over_refusal" in report and "Defense GRPO run" in report
 
