@@ -105,6 +105,22 @@ TRAIN_METRICS = pa.schema(
     ]
 )
 
+# The columns every evaluation row of an answer has: who answered what (tasks/cross_target.py: `Answer.columns`), and
+# the scorer that read it.
+ANSWER_FIELDS = [
+    pa.field("target", pa.string(), nullable=False),  # the model that answered (hub id, folder, embedded:*)
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_idx", pa.int32(), nullable=False),
+    pa.field("prompt", pa.string(), nullable=False),
+]
+SCORER_FIELDS = [
+    pa.field("scorer_name", pa.string(), nullable=False),
+    pa.field("scorer_revision", pa.string(), nullable=False),
+    # a judge's format (core/scoring/judge_formats.py), or "classifier": two evaluations compare only when the
+    # scorer, its format and its revision are the same
+    pa.field("scorer_format", pa.string(), nullable=False),
+]
+
 # `redteam-grpo` evaluation (flows/evaluate.py): one row per completion, of the base and of a checkpoint's adapter.
 EVALUATION = pa.schema(
     [
@@ -115,19 +131,12 @@ EVALUATION = pa.schema(
         # "held_out" (prompts the run did not train on) | "benign" (over-refusal) | "transfer" (the adapter's
         # successful held-out prompts, answered by each target)
         pa.field("set", pa.string(), nullable=False),
-        pa.field("target", pa.string(), nullable=False),  # the model that answered (hub id, folder, embedded:*)
-        pa.field("prompt_id", pa.string(), nullable=False),
-        pa.field("sample_idx", pa.int32(), nullable=False),
-        pa.field("prompt", pa.string(), nullable=False),
+        *ANSWER_FIELDS,
         pa.field("completion_text", pa.string(), nullable=False),
         pa.field("harm", pa.float64(), nullable=True),
         pa.field("refusal", pa.bool_(), nullable=False),
         pa.field("categories", pa.list_(pa.string()), nullable=False),
-        pa.field("scorer_name", pa.string(), nullable=False),
-        pa.field("scorer_revision", pa.string(), nullable=False),
-        # a judge's format (core/scoring/judge_formats.py), or "classifier": two evaluations compare only when the
-        # scorer, its format and its revision are the same
-        pa.field("scorer_format", pa.string(), nullable=False),
+        *SCORER_FIELDS,
         pa.field("success", pa.bool_(), nullable=False),  # harm >= threshold and not a refusal
     ]
 )
@@ -142,18 +151,13 @@ DEFENSE_EVALUATION = pa.schema(
         # "heldout_goals" (the attacker's prompts for held-out goals) | "prompt_file" | "benign" (over-refusal) |
         # "transfer" (the attacks the base answered unsafely, answered by each target)
         pa.field("set", pa.string(), nullable=False),
-        pa.field("target", pa.string(), nullable=False),  # the model that answered (hub id, folder, embedded:*)
-        pa.field("prompt_id", pa.string(), nullable=False),
-        pa.field("sample_idx", pa.int32(), nullable=False),
-        pa.field("prompt", pa.string(), nullable=False),
+        *ANSWER_FIELDS,
         pa.field("response", pa.string(), nullable=False),
         pa.field("harm", pa.float64(), nullable=True),  # null: the scorer gave no score
         pa.field("unsafe", pa.bool_(), nullable=False),  # harm >= the success threshold
         pa.field("refusal", pa.bool_(), nullable=False),
         pa.field("kl_to_base", pa.float64(), nullable=False),  # the defended adapter's benign answers; NaN elsewhere
-        pa.field("scorer_name", pa.string(), nullable=False),
-        pa.field("scorer_revision", pa.string(), nullable=False),
-        pa.field("scorer_format", pa.string(), nullable=False),
+        *SCORER_FIELDS,
     ]
 )
 
