@@ -202,6 +202,18 @@ def to_table(rows: dict[str, list], schema: pa.Schema, what: str) -> pa.Table:
     return table
 
 
+def rows_to_table(rows: list[dict], schema: pa.Schema, what: str) -> pa.Table:
+    """Rows (one dict each, all with the same keys) to a table of exactly `schema`; a row whose keys differ from the
+    first's, or a key missing from or beyond the schema, is an error naming it."""
+    names = list(rows[0]) if rows else schema.names
+    for i, r in enumerate(rows):
+        if r.keys() != set(names):
+            raise SchemaError(
+                f"{what}: row {i} lacks {sorted(set(names) - r.keys())} and adds {sorted(r.keys() - set(names))}"
+            )
+    return to_table({k: [r[k] for r in rows] for k in names}, schema, what)
+
+
 def read_schema(path: Path) -> pa.Schema:
     """The schema a Parquet file declares (a local one, or one on a store reached through fsspec)."""
     return pq.read_schema(path.path, filesystem=path.fs) if is_remote(path) else pq.read_schema(path)

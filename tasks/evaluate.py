@@ -229,7 +229,7 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         }
         for a in answered
     ]
-    table = schemas.to_table({k: [r[k] for r in rows] for k in schemas.EVALUATION.names}, schemas.EVALUATION, "eval")
+    table = schemas.rows_to_table(rows, schemas.EVALUATION, "eval")
     path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))

@@ -215,9 +215,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         / f"{name}-defense-p{num_prompts}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     )
     path.parent.mkdir(exist_ok=True)
-    names = dict.fromkeys(k for r in rows for k in r)  # every row's columns: one missing or extra is an error
-    columns = {k: [r.get(k) for r in rows] for k in names}
-    table = schemas.to_table(columns, schemas.DEFENSE_EVALUATION, f"the defense evaluation's rows ({path.name})")
+    table = schemas.rows_to_table(rows, schemas.DEFENSE_EVALUATION, f"the defense evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     checks = defense_checks(summary["base"], summary["defended"], over_refusal_margin, perplexity_limit)
     write_summary(

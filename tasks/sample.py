@@ -178,12 +178,13 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
         }
         openings = [first_turn[p.prompt_id] for p in prompts]
         attacker = functools.partial(policy.role, ATTACKER)
-        drawn_by = {POLICY_SPEAKER: held_version(res, DEFAULT_ROLE), ATTACKER_SPEAKER: held_version(res, ATTACKER)}
+        attacker_version = held_version(res, ATTACKER)
     else:
         instructions = cfg.dialogue.attacker_system_prompt
         openings = [glue.opening(instructions.replace("{prompt}", p.text)) for p in prompts]
         attacker = policy.reference
-        drawn_by = {POLICY_SPEAKER: held_version(res, DEFAULT_ROLE), ATTACKER_SPEAKER: INIT_VERSION}  # the base
+        attacker_version = INIT_VERSION  # the base: no update made its weights
+    drawn_by = {POLICY_SPEAKER: held_version(res, DEFAULT_ROLE), ATTACKER_SPEAKER: attacker_version}
 
     def sample(prompt_ids: list[list[int]], max_new_tokens: int, turn_seed: int, group_size: int) -> list[Completion]:
         return sample_completions(policy, prompt_ids, group_size, max_new_tokens, cfg.sampling.batch_size, turn_seed)

@@ -90,3 +90,13 @@ def test_list_columns_round_trip_with_their_types(tmp_path):
     path = tmp_path / "r.parquet"
     pq.write_table(schemas.to_table(rows, schemas.ROLLOUTS, "rollouts"), path)
     assert schemas.read_table(path, schemas.ROLLOUTS).to_pydict()["sampling_logprobs"] == [[-0.5, -1.5]]
+
+
+def test_rows_become_a_table_of_their_schema_and_a_key_one_row_lacks_or_adds_is_named():
+    rows = [{"policy": "base", "metric": "harm_mean", "tau": 0.5, "value": 0.25, "judge": None}] * 2
+    assert schemas.rows_to_table(rows, schemas.EVALUATION_SUMMARY, "summary").num_rows == 2
+    lacking = [rows[0], {k: v for k, v in rows[0].items() if k != "judge"}]  # a nullable column: never read as null
+    with pytest.raises(schemas.SchemaError, match=r"row 1 lacks \['judge'\] and adds \[\]"):
+        schemas.rows_to_table(lacking, schemas.EVALUATION_SUMMARY, "summary")
+    with pytest.raises(schemas.SchemaError, match=r"unexpected columns \['extra'\]"):
+        schemas.rows_to_table([{**r, "extra": 1} for r in rows], schemas.EVALUATION_SUMMARY, "summary")
