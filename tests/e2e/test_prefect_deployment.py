@@ -138,7 +138,8 @@ def _call(method: str, url: str, **kwargs):
     for attempt in range(8):
         response = httpx.request(method, url, timeout=30, **kwargs)
         if response.status_code not in (429, 502, 503):
-            return response.raise_for_status().json()
+            response.raise_for_status()
+            return response.json() if response.content else None
         time.sleep(min(2**attempt, 10))
     return response.raise_for_status().json()
 
@@ -267,13 +268,26 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, dep
     assert set(rows.policy) == {"base", "defended"} and set(rows.set) == {"heldout_goals", "prompt_file", "benign"}
 
 
+def _logged(api, flow_run: str, text: str) -> bool:
+    """Whether the flow run sent a log line containing `text` to the API."""
+    body = {"logs": {"flow_run_id": {"any_": [flow_run]}}, "limit": 200}
+    return any(text in entry["message"] for entry in _call("POST", f"{api}/logs/filter", json=body))
+
+
 def test_four_runs_submitted_at_once_queue_on_a_gpu_slot_limit_of_one_and_each_finishes(
     prefect_server, deployments, tmp_path
 ):
     """What a scheduled fleet meets: more runs than GPUs. None is lost, they hold the slot one at a time, each
-    finishes, and the slot is released at the end (Prefect has had reports of leaked slots and waiters not woken)."""
+    finishes, and the slot is released at the end (Prefect has had reports of leaked slots and waiters not woken).
+
+    The test holds the one slot itself until all four runs are running and waiting for it, so the four queue on it
+    whatever the machine's speed: left to race, a run still importing its libraries on a loaded 2-core machine could
+    start after the first had finished, and nothing would have queued."""
     api, env = prefect_server
     _prefect(env, "gcl", "create", "gpu-load", "--limit", "1")
+    held_by_test = _call(
+        "POST", f"{api}/v2/concurrency_limits/increment-with-lease", json={"names": ["gpu-load"], "slots": 1}
+    )["lease_id"]
     runs = tmp_path / "runs"
     flow_runs = [
         _trigger(
@@ -283,11 +297,36 @@ def test_four_runs_submitted_at_once_queue_on_a_gpu_slot_limit_of_one_and_each_f
         )
         for k in range(4)
     ]
-    _work_off(api, env, flow_runs)  # one worker takes all four at once (--limit 4)
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(  # one worker takes all four at once (--limit 4)
+        [*PREFECT, "worker", "start", "--pool", "redteam-grpo", "--run-once", "--limit", "4"],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        waiting: set[str] = set()
+        while len(waiting) < len(flow_runs):
+            assert time.monotonic() < deadline, f"waiting for the slot: {len(waiting)} of 4 runs\n" + (
+                tmp_path / "worker.log"
+            ).read_text()[-3000:]
+            for i in set(flow_runs) - waiting:
+                state = _call("GET", f"{api}/flow_runs/{i}")["state"]
+                assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING"), state  # none may pass the held slot
+                if state["type"] == "RUNNING" and _logged(api, i, "waiting for 1 slot(s) of the concurrency limit"):
+                    waiting.add(i)
+            time.sleep(1)
+        assert all(not RunDir(runs / f"queued-{k}").completed_iterations() for k in range(4))
+        _call("POST", f"{api}/v2/concurrency_limits/decrement-with-lease", json={"lease_id": held_by_test})
+        _work_off(api, env, flow_runs)
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        log.close()
 
-    states = [_call("GET", f"{api}/flow_runs/{i}") for i in flow_runs]
-    first_end = min(s["end_time"] for s in states)
-    assert all(s["start_time"] < first_end for s in states), "the four runs did not run at once: nothing queued"
     held = []  # from the first stage a run recorded to its last: inside its slot
     for k in range(4):
         run = RunDir.open(runs / f"queued-{k}")
