@@ -310,9 +310,9 @@ def test_four_runs_submitted_at_once_queue_on_a_gpu_slot_limit_of_one_and_each_f
         deadline = time.monotonic() + 300
         waiting: set[str] = set()
         while len(waiting) < len(flow_runs):
-            assert time.monotonic() < deadline, f"waiting for the slot: {len(waiting)} of 4 runs\n" + (
-                tmp_path / "worker.log"
-            ).read_text()[-3000:]
+            assert time.monotonic() < deadline, (
+                f"waiting for the slot: {len(waiting)} of 4 runs\n" + (tmp_path / "worker.log").read_text()[-3000:]
+            )
             for i in set(flow_runs) - waiting:
                 state = _call("GET", f"{api}/flow_runs/{i}")["state"]
                 assert state["type"] in ("SCHEDULED", "PENDING", "RUNNING"), state  # none may pass the held slot
