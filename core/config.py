@@ -176,6 +176,17 @@ class TrainingConfig(_Section):
     mismatch_ratio_high: float | None = Field(None, gt=0.0)
     """Upper bound of rho for the mismatch correction; None: the method's own (token_truncate 2, sequence_truncate 3,
     sequence_mask 3, icepop 5)."""
+    max_staleness: int = Field(0, ge=0, le=1)
+    """How many updates older than the update's starting weights the weights that drew its batch may be. 0: each
+    iteration samples with the weights its update starts from, one stage after another. 1: one step off-policy:
+    iteration i + 1 is sampled with the adapter after i - 1 while iteration i's update runs (so iterations 0 and 1
+    draw with the initial adapter), which needs the vLLM sampler (sampling.backend=vllm): the in-process sampler
+    draws with the trainer's own weights, and a run that cannot overlap runs synchronously, saying why. A batch drawn
+    by older weights is trained decoupled (as AReaL): its ratio is taken against the trainer's logprobs at the step
+    and each token weighted by training.mismatch_correction's factor of p_trainer / p_sampler (token_truncate by
+    default), the staleness correction and the engine's at once; sampler_kl then reports KL(behaviour ‖ current) and
+    the first-update check, which holds the sampler to the trainer's own weights, runs on fresh batches alone.
+    Iteration i + 1's draw with the adapter after i - 1 is fixed by the iteration, so a resume draws the same."""
     dynamic_sampling: bool = False
     """Leave out of the update the groups whose advantages are all 0 (DAPO's dynamic sampling, without its
     re-sampling): they add no gradient, only tokens to the normaliser. The number left out is reported."""
@@ -247,6 +258,12 @@ class TrainingConfig(_Section):
                 "training.mismatch_ratio_low/high bound a mismatch correction: set training.mismatch_correction to "
                 "token_truncate, sequence_truncate, sequence_mask or icepop, or leave the bounds unset (it is "
                 f"{self.mismatch_correction})"
+            )
+        if self.max_staleness > 0 and self.mismatch_correction == "none":
+            raise ValueError(
+                f"training.max_staleness={self.max_staleness} trains on rollouts drawn by older weights, which needs "
+                "training.mismatch_correction to weight each token by p_trainer / p_sampler: leave it auto "
+                "(token_truncate) or choose another correction"
             )
         low, high = self.mismatch_bounds
         if high is not None and not high >= 1.0:

@@ -9,6 +9,11 @@
 The order lives in `storage/modes.py` (`Mode.stages`), the stage records in `storage/stages.py`; this file binds each
 stage to its Prefect task, and nothing here depends on which mode runs.
 
+One step off-policy (training.max_staleness=1, where `Mode.staleness` allows it): iteration i + 1's sample stage runs
+in a thread beside iteration i's update and checkpoint, drawing with the adapter after i - 1 from its checkpoint on
+disk (tasks/sample.py), so the engine samples while the trainer steps; its shards are child task runs of iteration i's
+run, overlapping its train step in the UI. Iteration i + 1 finds its rollouts recorded and goes on from its score.
+
 The iteration is a task run (`iteration_task`, the stages its child task runs) where the shards run in the run's
 process, and a subflow run (`iteration_flow`) where they run on Ray: a subflow run is what carries a task runner of
 its own (prefect-ray's), and it costs ~0.2 s of API calls per iteration against a nested task run's ~0.03 s.
@@ -16,11 +21,14 @@ its own (prefect-ray's), and it costs ~0.2 s of API calls per iteration against 
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from collections.abc import Callable
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from redteam_grpo.core.training.staleness import drawing_version
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.stages import (
     ADVANTAGE,
@@ -62,14 +70,59 @@ STAGE_TASKS: dict[str, Callable[[str, int], str]] = {
 }
 
 
+class SampleAhead:
+    """The sample stage of an iteration in a thread of its own (with the Prefect context of the run that starts it),
+    beside the update of the iteration before; `join` waits for it and raises what it raised."""
+
+    def __init__(self, run_dir: str, iteration: int) -> None:
+        self.iteration = iteration
+        self.error: BaseException | None = None
+        context = contextvars.copy_context()  # Prefect's run context: its shards are child task runs of this one
+        # a daemon: a stop signal ends the process without waiting for the engine (its parts are written atomically)
+        self.thread = threading.Thread(
+            target=context.run, args=(self._sample, run_dir), name=f"sample-ahead-{iteration}", daemon=True
+        )
+        self.thread.start()
+
+    def _sample(self, run_dir: str) -> None:
+        try:
+            STAGE_TASKS[SAMPLE.name](run_dir, self.iteration)
+        except BaseException as exc:  # raised in the iteration's own thread by `join`
+            self.error = exc
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]:
-    """One iteration of the run's mode; returns its metrics row (core/metrics/registry.py; SFT: its epoch's row)."""
+    """One iteration of the run's mode; returns its metrics row (core/metrics/registry.py; SFT: its epoch's row).
+    One step off-policy: the next iteration's sample stage runs beside this one's update (`SampleAhead`)."""
     res = resources_for(run_dir)
     cfg = res.config
     mode = mode_of(cfg)
-    for stage in mode.stages(cfg):
-        STAGE_TASKS[stage.name](run_dir, iteration)
     log = stage_logger()
+    steps, _ = mode.staleness(cfg)
+    overlapped = steps and iteration + 1 < cfg.run.iterations and not res.run.completed(SAMPLE, iteration + 1)
+    ahead = None
+    try:
+        for stage in mode.stages(cfg):
+            if overlapped and ahead is None and stage in mode.update_stages(cfg):
+                log.info(
+                    "iteration %d: sampling iteration %d with the adapter after iteration %d beside this update",
+                    iteration,
+                    iteration + 1,
+                    drawing_version(iteration + 1, steps),
+                )
+                ahead = SampleAhead(run_dir, iteration + 1)
+            STAGE_TASKS[stage.name](run_dir, iteration)
+    except Exception:
+        if ahead is not None:  # what it records stays valid: its draw is fixed by its iteration
+            ahead.thread.join()
+        raise
+    if ahead is not None:
+        ahead.join()
     for learner in mode.learners(cfg)[1:]:  # self-play: the attacker's row, before the policy's
         log.info(f"{learner.role} " + mode.describe(iteration, res.run.read(learner.update, iteration).to_pylist()[0]))
     metrics = res.run.read(mode.metrics, iteration).to_pylist()[0]

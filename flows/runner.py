@@ -242,6 +242,9 @@ def run_iterations(run: RunDir, on_iteration: Any) -> str:
     log.info("run %s: iterations %d..%d in %s", run.run_id, start, cfg.run.iterations - 1, run.root)
     run.set_status("running")
     check_runtime(cfg)
+    _, synchronous_because = mode_of(cfg).staleness(cfg)
+    if synchronous_because is not None:
+        log.warning(synchronous_because)
     iteration = iteration_runner(cfg.runtime)
     gpus = cfg.training.nproc if cfg.training.launcher == "torchrun" else 1  # the train step's GPUs, on this machine
     try:

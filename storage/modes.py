@@ -78,6 +78,30 @@ class Mode:
         own = (self.own_update,) if self.own_update is not None else ()
         return (*(learner.update for learner in self.learners(cfg)), *own)
 
+    def staleness(self, cfg: Config) -> tuple[int, str | None]:
+        """The staleness this run's updates train at: training.max_staleness where the pipeline can draw iteration
+        i + 1 while iteration i's update runs, else 0 (synchronous); and, where it asked for more than it gets, the
+        one line that says why."""
+        asked = cfg.training.max_staleness
+        if asked == 0:
+            return 0, None
+        if not self.learners(cfg):
+            why = "it samples nothing"
+        elif cfg.sampling.backend != "vllm":
+            why = (
+                "the in-process sampler draws with the trainer's own weights, which the update is changing; the vLLM "
+                "sampler (sampling.backend=vllm) draws beside it"
+            )
+        elif self.before:
+            why = f"its prompts are written by the {self.before[0].name} stage of each iteration, not drawn ahead yet"
+        elif len(self.learners(cfg)) > 1:
+            why = "two learners update one after the other"
+        elif cfg.runtime.task_runner == "ray":
+            why = "the sample stage's shards run on Ray, which the overlap does not drive yet"
+        else:
+            return asked, None
+        return 0, f"training.max_staleness={asked}: {self.name} runs synchronously: {why}"
+
     def defaults(self) -> dict[str, Any]:
         """The nested config defaults of this mode (core/config.py: MODE_DEFAULTS), a copy."""
         return mode_defaults(self.name)

@@ -50,8 +50,12 @@ from redteam_grpo.storage.modes import MODES, mode_of
 from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 12
+RUN_FORMAT = 13
 FORMAT_CHANGES = {
+    12: (
+        "train_metrics.parquet gained staleness: the updates between the weights that drew the batch and the "
+        "trainer's (training.max_staleness)"
+    ),
     11: (
         "a sealed iteration's stage records moved from manifest.json to its iter_NNNN/records.json, and a checkpoint "
         "keeps a copy of its own iteration's records only"

@@ -63,6 +63,22 @@ def export_adapter(policy: Policy, role: str, folder: Path) -> Path:
     return folder / PEFT_ADAPTER_FILE
 
 
+def export_checkpoint_adapter(policy: Policy, role: str, adapter_file: Path, folder: Path) -> Path:
+    """`role`'s adapter as a checkpoint holds it (`adapter_file`, PEFT's own key names) in PEFT's format in `folder`,
+    without touching the weights in memory: one step off-policy samples with the adapter of an earlier iteration while
+    the update changes those (training.max_staleness). Written to a staging folder, then swapped in; its weights."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    policy.model.peft_config[role].save_pretrained(str(staging))  # the adapter's shape: read, never changed
+    shutil.copyfile(adapter_file, staging / PEFT_ADAPTER_FILE)
+    if folder.exists():
+        shutil.rmtree(folder)
+    staging.rename(folder)
+    return folder / PEFT_ADAPTER_FILE
+
+
 @dataclass
 class EngineSampler:
     """The vLLM server at `client`, serving `base_model`; adapters are exported under `folder` as they are asked for."""

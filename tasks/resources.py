@@ -25,7 +25,7 @@ from redteam_grpo.storage.lineage import fresh_prompts
 from redteam_grpo.storage.location import absolute, location
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, DamagedRunError, RunDir
-from redteam_grpo.tasks.engine import export_adapter
+from redteam_grpo.tasks.engine import export_adapter, export_checkpoint_adapter
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -51,6 +51,8 @@ class RunResources:
     _prompts: list[Prompt] | None = field(default=None, repr=False)
     _vllm: VllmSampler | None = field(default=None, repr=False)
     _served: dict[str, str] = field(default_factory=dict, repr=False)  # the adapter name the server holds per role
+    # per role, the checkpoint version whose adapter `vllm_checkpoint_adapter` exported last
+    _exported: dict[str, int] = field(default_factory=dict, repr=False)
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # the owner's run of the flow these serve
 
     @property
@@ -151,10 +153,30 @@ class RunResources:
         so a response can be checked against it. The role's adapter of the version before is unloaded; the other
         role's stays (defense: the attacker and the defender are two adapters on the one served base)."""
         self.ensure_version(version)
-        stem = "adapter" if role == DEFAULT_ROLE else f"{role}-adapter"
-        folder = self.run.sampler_dir / (f"{stem}-init" if version == INIT_VERSION else f"{stem}-{version:04d}")
+        folder = self._sampler_folder(version, role)
         # written anew each time from the weights in memory (a redone iteration has new ones)
         export_adapter(self.policy, role, folder)
+        return self._serve(version, role, folder)
+
+    def vllm_checkpoint_adapter(self, version: int, role: str = DEFAULT_ROLE) -> str:
+        """As `vllm_adapter`, from the sealed checkpoint of `version` on disk, never from memory: one step off-policy
+        samples with it while an update changes the weights in memory (training.max_staleness). Exported once per
+        version in this process: a resume exports it again from the same checkpoint."""
+        folder = self._sampler_folder(version, role)
+        if self._exported.get(role) != version:
+            checkpoint = self.run.checkpoint_dir(version)
+            self._check_checkpoint(checkpoint, version)
+            export_checkpoint_adapter(self.policy, role, checkpoint / checkpoints.ROLE_FILES[role][0], folder)
+            self._exported[role] = version
+        return self._serve(version, role, folder)
+
+    def _sampler_folder(self, version: int, role: str) -> Path:
+        stem = "adapter" if role == DEFAULT_ROLE else f"{role}-adapter"
+        return self.run.sampler_dir / (f"{stem}-init" if version == INIT_VERSION else f"{stem}-{version:04d}")
+
+    def _serve(self, version: int, role: str, folder: Path) -> str:
+        """The adapter in `folder` loaded in the vLLM server under the digest of its weights, the role's earlier one
+        unloaded; its name."""
         owner = self.run.run_id if role == DEFAULT_ROLE else f"{self.run.run_id}-{role}"
         name = adapter_name(owner, version, folder / PEFT_ADAPTER_FILE)
         stale = self._served.get(role)

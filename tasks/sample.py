@@ -29,6 +29,7 @@ from redteam_grpo.core.rollouts.dialogue import (
 )
 from redteam_grpo.core.rollouts.sampling import Completion, sample_completions
 from redteam_grpo.core.rollouts.shards import shard_seed, shard_span
+from redteam_grpo.core.training.staleness import drawing_version
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir
@@ -117,12 +118,13 @@ def rollouts_table(
     )
 
 
-def engine_turns(res: RunResources, iteration: int):
+def engine_turns(res: RunResources, iteration: int, policy_adapter: str):
     """sampling.backend=vllm: the `sample` function and `attacker` context of `sample_dialogues` on the engine. The
-    policy's turns use its adapter; inside `attacker()` the turns use the attacker's adapter (defense) or the served
-    base without one (attack mode's frozen attacker). The ids go as they are, one request per turn."""
+    policy's turns use its adapter (`policy_adapter`, loaded); inside `attacker()` the turns use the attacker's adapter
+    (defense) or the served base without one (attack mode's frozen attacker). The ids go as they are, one request per
+    turn."""
     cfg, policy = res.config, res.policy
-    names = {POLICY_SPEAKER: res.vllm_adapter(iteration - 1)}
+    names = {POLICY_SPEAKER: policy_adapter}
     if ATTACKER in mode_of(cfg).roles:  # the attacker speaks through its adapter on the base
         names[ATTACKER_SPEAKER] = res.vllm_adapter(iteration - 1, ATTACKER)
     else:  # the served base's name: the model the server was started with
@@ -152,11 +154,14 @@ def engine_turns(res: RunResources, iteration: int):
     return sample, attacker
 
 
-def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequence[Prompt], seed: int) -> pa.Table:
+def sample_dialogue_rollouts(
+    res: RunResources, iteration: int, prompts: Sequence[Prompt], seed: int, stale: int | None = None
+) -> pa.Table:
     """dialogue.turns > 1: `sampling.group_size` dialogues from every prompt (core/rollouts/dialogue.py:
     sample_dialogues), one row per sampled message, the policy's and the attacker's, each with its prompt ids exactly as
     fed. The attacker is the frozen base with dialogue.attacker_system_prompt (attack mode), or the attacker's adapter
-    continuing its own first turn, read from this iteration's attacks (defense mode)."""
+    continuing its own first turn, read from this iteration's attacks (defense mode). `stale`: the policy speaks with
+    the adapter of that earlier version, served from its checkpoint (training.max_staleness), not from memory."""
     cfg, policy = res.config, res.policy
     tokenizer = policy.tokenizer
     glue = TurnGlue.from_tokenizer(tokenizer, policy.end_of_turn_ids)
@@ -184,13 +189,15 @@ def sample_dialogue_rollouts(res: RunResources, iteration: int, prompts: Sequenc
         openings = [glue.opening(instructions.replace("{prompt}", p.text)) for p in prompts]
         attacker = policy.reference
         attacker_version = INIT_VERSION  # the base: no update made its weights
-    drawn_by = {POLICY_SPEAKER: held_version(res, DEFAULT_ROLE), ATTACKER_SPEAKER: attacker_version}
+    policy_version = held_version(res, DEFAULT_ROLE) if stale is None else stale
+    drawn_by = {POLICY_SPEAKER: policy_version, ATTACKER_SPEAKER: attacker_version}
 
     def sample(prompt_ids: list[list[int]], max_new_tokens: int, turn_seed: int, group_size: int) -> list[Completion]:
         return sample_completions(policy, prompt_ids, group_size, max_new_tokens, cfg.sampling.batch_size, turn_seed)
 
     if cfg.sampling.backend == "vllm":  # every turn a round trip to the engine, with the speaker's adapter
-        sample, attacker = engine_turns(res, iteration)
+        served = res.vllm_adapter(iteration - 1) if stale is None else res.vllm_checkpoint_adapter(stale)
+        sample, attacker = engine_turns(res, iteration, served)
 
     records = sample_dialogues(
         sample,
@@ -262,11 +269,14 @@ def vllm_draw(
     role: str = DEFAULT_ROLE,
     group_size: int | None = None,
     max_new_tokens: int | None = None,
+    from_checkpoint: bool = False,
 ) -> Callable[[list[list[int]]], list[Completion]]:
     """The vLLM server's sampler with `role`'s adapter of `version` loaded; the same contract as the in-process one.
-    `group_size` and `max_new_tokens`: sampling's unless given (the attacker's are defense settings)."""
+    `group_size` and `max_new_tokens`: sampling's unless given (the attacker's are defense settings).
+    `from_checkpoint`: the adapter is exported from its checkpoint, the weights in memory left alone (one step
+    off-policy: an update changes them meanwhile)."""
     cfg, policy = res.config, res.policy
-    adapter = res.vllm_adapter(version, role)
+    adapter = res.vllm_checkpoint_adapter(version, role) if from_checkpoint else res.vllm_adapter(version, role)
 
     def draw(prompt_ids: list[list[int]]) -> list[Completion]:
         stage_logger().info("sampling with the vLLM server at %s, adapter %s", cfg.sampling.vllm_url, adapter)
@@ -307,18 +317,27 @@ def iteration_prompts(res: RunResources, iteration: int) -> list[Prompt]:
 @task(name="sample-shard", task_run_name="sample-{iteration}-shard-{shard}", cache_policy=NO_CACHE)
 def sample_shard(run_dir: str, iteration: int, shard: int, session: str | None = None) -> tuple[str, int]:
     """Sample shard `shard` of the iteration's prompts with the weights after iteration - 1 and the shard's own seed;
-    write its part of the rollouts table. Returns the part's path and rows."""
+    write its part of the rollouts table. Returns the part's path and rows. One step off-policy
+    (training.max_staleness): with the adapter after iteration - 2, served from its checkpoint, the weights in memory
+    left to the update that runs meanwhile (`core/training/staleness.py: drawing_version`)."""
     res = resources_for(run_dir, session)
     cfg = res.config
-    res.ensure_version(iteration - 1)
+    steps, _ = mode_of(cfg).staleness(cfg)
+    stale = drawing_version(iteration, steps) if steps else None
+    if stale is None:
+        res.ensure_version(iteration - 1)
     prompts = iteration_prompts(res, iteration)
     prompts = [prompts[i] for i in shard_span(len(prompts), cfg.runtime.shards, shard)]
     seed = shard_seed(cfg.run.seed, "sample", iteration, shard, cfg.runtime.shards)
     if cfg.dialogue.turns > 1:
-        table = sample_dialogue_rollouts(res, iteration, prompts, seed)
+        table = sample_dialogue_rollouts(res, iteration, prompts, seed, stale)
         path = res.run.write(SAMPLE, iteration, table, res.run.part_path(SAMPLE, iteration, shard, cfg.runtime.shards))
         return str(path), table.num_rows
-    draw = vllm_draw(res, iteration - 1, seed) if cfg.sampling.backend == "vllm" else None
+    if stale is not None:
+        draw, version = vllm_draw(res, stale, seed, from_checkpoint=True), stale
+    else:
+        draw = vllm_draw(res, iteration - 1, seed) if cfg.sampling.backend == "vllm" else None
+        version = held_version(res, DEFAULT_ROLE)
     table = sample_rollouts(
         res.policy,
         res.run.run_id,
@@ -330,7 +349,7 @@ def sample_shard(run_dir: str, iteration: int, shard: int, session: str | None =
         cfg.sampling.max_new_tokens,
         cfg.sampling.batch_size,
         seed,
-        held_version(res, DEFAULT_ROLE),
+        version,
         draw,
     )
     path = res.run.write(SAMPLE, iteration, table, res.run.part_path(SAMPLE, iteration, shard, cfg.runtime.shards))

@@ -14,9 +14,10 @@ from redteam_grpo.core.metrics.registry import iteration_metrics
 from redteam_grpo.core.rollouts.diagnostics import health_warnings
 from redteam_grpo.core.rollouts.dialogue import policy_rows
 from redteam_grpo.core.tokens.logprobs import SamplingDistribution
-from redteam_grpo.core.training.staleness import StaleRolloutsError, check_staleness
+from redteam_grpo.core.training.staleness import StaleRolloutsError, check_staleness, staleness_of
 from redteam_grpo.core.training.train import NonFiniteUpdateError, TrainBatch, UpdateStats, policy_gradient_step
 from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import ATTACK_TRAIN_STEP, ATTACKER_LEARNER, POLICY, TRAIN_STEP, Learner, Stage
 from redteam_grpo.tasks.common import run_table_stage
@@ -53,9 +54,6 @@ def attack_train_step_stage(run_dir: str, iteration: int) -> str:
     return update_stage(run_dir, iteration, ATTACKER_LEARNER)
 
 
-SYNCHRONOUS = 0  # max_staleness: an iteration samples with the weights its own update starts from
-
-
 def train_batch(
     run: RunDir,
     learner: Learner,
@@ -63,18 +61,27 @@ def train_batch(
     max_new_tokens: int,
     sampler: str,
     suppressed_ids: tuple[int, ...] = (),
+    max_staleness: int = 0,
 ) -> TrainBatch:
     """The learner's rollouts of `iteration` joined with their advantages. Dialogues (rows of later turns): one row per
     dialogue, its last turn's prompt and completion with the spans of the policy's own turns
     (core/rollouts/dialogue.py). The distribution drawn from is the temperature the rollouts recorded, with the
     policy's `suppressed_ids`: the first-update bound is the sampler's, whatever the trainer replays. Every row the
-    learner drew must be drawn by the weights its update starts from (core/training/staleness.py)."""
+    learner drew must be drawn by weights at most `max_staleness` updates older than those its update starts from
+    (0: those very weights; core/training/staleness.py), all rows by one version, whose staleness the batch carries."""
     table = run.read(learner.rollouts, iteration).to_pydict()
     own_rows = [v for v, s in zip(table["policy_version"], table["speaker"], strict=True) if s == learner.speaker]
+    redo = f"redteam-grpo {run.command} --resume {run.root} --redo {iteration}"
     try:
-        check_staleness(own_rows, iteration, SYNCHRONOUS, learner.rollouts.name)
+        check_staleness(own_rows, iteration, max_staleness, learner.rollouts.name)
     except StaleRolloutsError as exc:
-        raise StaleRolloutsError(f"{exc}: redteam-grpo {run.command} --resume {run.root} --redo {iteration}") from None
+        raise StaleRolloutsError(f"{exc}: {redo}") from None
+    versions = sorted(set(own_rows))
+    if len(versions) > 1:  # one batch, one behaviour policy: the staleness and the check's skip are the batch's
+        raise StaleRolloutsError(
+            f"{learner.rollouts.name} of iteration {iteration} holds rows drawn by adapter versions {versions}: a "
+            f"batch is drawn by one version. Sample the iteration again: {redo}"
+        )
     trained = policy_rows(table)
     rollouts = trained.columns
     advantages = run.read(learner.advantages, iteration).to_pydict()
@@ -96,6 +103,7 @@ def train_batch(
         spans=trained.spans,
         sampler=sampler,
         sampled_with=sampled_with,
+        staleness=staleness_of(versions[0], iteration) if versions else 0,
         turn_advantages=(
             [advantages["turn_advantages"][i] for i in rows]
             if any(a is not None for a in advantages["turn_advantages"])
@@ -114,6 +122,7 @@ def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_p
         learner.max_new_tokens(cfg),
         cfg.sampling.backend,
         res.policy.distribution.suppressed_ids,
+        mode_of(cfg).staleness(cfg)[0],
     )
     res.ensure_role(learner.role, iteration - 1)  # self-play: the defender may already hold this iteration's update
     with res.policy.role(learner.role):

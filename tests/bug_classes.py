@@ -99,9 +99,23 @@ BUG_CLASSES = [
     (
         "stale-rollouts-trained-on",
         "tasks/train_step.py",
-        "check_staleness(own_rows, iteration, SYNCHRONOUS, learner.rollouts.name)",
-        "check_staleness([], iteration, SYNCHRONOUS, learner.rollouts.name)",
+        "check_staleness(own_rows, iteration, max_staleness, learner.rollouts.name)",
+        "check_staleness([], iteration, max_staleness, learner.rollouts.name)",
         "tests/tasks/test_stages.py::test_each_row_records_the_weights_that_drew_it_as_held_and_an_update_trains_on_those_alone",
+    ),
+    (
+        "behaviour-logprobs-replaced",
+        "core/training/train.py",
+        "old_B_C, forward.sample_B_C, forward.mask_B_C, correction, low, high",
+        "old_B_C, old_B_C, forward.mask_B_C, correction, low, high",
+        "tests/core/test_train.py::test_a_batch_drawn_one_update_ago_trains_decoupled_against_its_behaviour_logprobs_without_the_check",
+    ),
+    (
+        "resume-draws-with-the-wrong-version",
+        "tasks/sample.py",
+        "stale = drawing_version(iteration, steps) if steps else None",
+        "stale = max(res.run.completed_iterations(), default=-1) if steps else None",
+        "tests/e2e/test_off_policy.py::test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte",
     ),
     (
         "rollouts-drawn-by-another-version",

@@ -170,6 +170,14 @@ METRICS: tuple[Metric, ...] = (
     _m("n_dropped_groups", "dropped", "Groups left out of the update by dynamic sampling.", "{:.0f}"),
     _m("last_ratio_std", "±ratio last", "Ratio std on the last update of the batch; NaN with one update.", "{:.4f}"),
     _m(
+        "staleness",
+        "stale",
+        "Updates between the weights that drew the batch and the trainer's at the step (training.max_staleness): 0 "
+        "on-policy, held to the first-update check; 1 one step off-policy, where sampler_kl is KL(behaviour ‖ "
+        "current).",
+        "{:.0f}",
+    ),
+    _m(
         "logprob_mismatch_mean",
         "|Δlp|",
         "Mean |trainer − sampler| logprob per token on the first update: the kernels of another engine (vLLM).",

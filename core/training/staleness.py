@@ -7,15 +7,39 @@ stale. The synchronous pipeline trains on-policy rows alone (max_staleness 0). A
 bound is one whose logprobs the ratio's correction was not made for (bug class `stale-rollouts-trained-on`,
 docs/bug-classes.md); one drawn by newer weights than the update starts from cannot have been drawn by this run's
 history at all.
+
+With one step off-policy (max_staleness 1) iteration i is drawn by the weights after i - 1 - max_staleness
+(`drawing_version`) while the update of i - 1 runs: a rule of the iteration alone, so a resumed run draws each
+iteration with the weights an uninterrupted one drew it with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+INITIAL_VERSION = -1  # the initial checkpoint's version: no update made its weights
+
 
 class StaleRolloutsError(ValueError):
     pass
+
+
+def drawing_version(iteration: int, max_staleness: int) -> int:
+    """The version of the weights that draw iteration `iteration`'s rollouts: those after iteration
+    iteration - 1 - max_staleness, the initial checkpoint's before any exist.
+
+    >>> [drawing_version(i, 0) for i in range(4)], [drawing_version(i, 1) for i in range(4)]
+    ([-1, 0, 1, 2], [-1, -1, 0, 1])
+    """
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be 0 or more, got {max_staleness}")
+    return max(iteration - 1 - max_staleness, INITIAL_VERSION)
+
+
+def staleness_of(version: int, iteration: int) -> int:
+    """How many updates older than the weights iteration `iteration`'s update starts from (those after iteration - 1)
+    the weights of `version` are."""
+    return iteration - 1 - version
 
 
 def check_staleness(versions: Iterable[int], iteration: int, max_staleness: int, what: str = "rollouts") -> None:

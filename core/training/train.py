@@ -150,9 +150,16 @@ class TrainBatch:
     # The distribution the sampler drew from (its recorded temperature and suppressed ids): the first-update bound is
     # taken from it, so a trainer that applies another temperature cannot raise its own bound. None: the trainer's.
     sampled_with: SamplingDistribution | None = None
+    # How many updates older than the trainer's weights at this step the weights that drew the batch are
+    # (core/training/staleness.py). 0: the same weights, held to the first-update check. More: one step off-policy,
+    # trained decoupled (the ratio against the trainer's own logprobs, each token weighted by the mismatch
+    # correction's p_trainer / p_sampler), with no check: the sampler's weights are not the trainer's.
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
+        if self.staleness < 0:
+            raise ValueError(f"staleness {self.staleness}: a batch cannot be drawn by weights newer than the trainer's")
         lengths = (len(self.completion_ids), len(self.sample_logprobs), len(self.advantages), len(self.group_ids))
         if any(length != n for length in lengths) or (self.spans is not None and len(self.spans) != n):
             raise ValueError(
@@ -244,6 +251,7 @@ class UpdateStats:
     logprob_mismatch_share: float  # share of tokens whose |trainer - sampler| > training.logprob_mismatch_threshold
     correction_token_share: float  # share of tokens the mismatch correction truncated or masked; NaN when off
     correction_sequence_share: float  # share of sequences with such a token (sequence_mask: masked); NaN when off
+    staleness: float  # updates between the weights that drew the batch and the trainer's (TrainBatch.staleness)
 
 
 def make_optimizer(policy: Policy, cfg: TrainingConfig) -> torch.optim.AdamW:
@@ -651,10 +659,17 @@ def policy_gradient_step(
     if not rows:  # nothing to learn from: no step (Adam's state and step count are left alone)
         unmeasured = dict.fromkeys((f.name for f in dataclasses.fields(UpdateStats)), math.nan)
         measured = {"loss": 0.0, "grad_norm": 0.0, "n_tokens": 0.0, "n_sequences": 0.0}
+        measured["staleness"] = float(batch.staleness)
         return UpdateStats(**unmeasured | measured | {"n_dropped_groups": float(n_dropped_groups)})
 
     compute_loss = loss_function(cfg)
     correction = cfg.correction(batch.sampler)
+    if batch.staleness and correction == "none":
+        raise ValueError(
+            f"a batch drawn by weights {batch.staleness} update(s) older than the trainer's needs a mismatch "
+            "correction: its ratio is taken against the trainer's own logprobs and each token weighted by p_trainer / "
+            "p_sampler (set training.mismatch_correction, e.g. token_truncate)"
+        )
     low, high = cfg.mismatch_bounds
     layers = policy.decoder_layers
     lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.completion_ids))]
@@ -705,7 +720,8 @@ def policy_gradient_step(
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if diagnostics is not None:
                 bounds = diagnostics.bounds(cfg, policy.compute_dtype, batch.sampler)
-                diagnostics.check(bounds, policy.compute_dtype, layers)
+                if batch.staleness == 0:  # a stale batch's sampler_kl is KL(behaviour || current), reported alone
+                    diagnostics.check(bounds, policy.compute_dtype, layers)
                 first = diagnostics.row(
                     loss_total, bounds, stats.clip_fraction, grad_norm, n_tokens, n_sequences, correction != "none"
                 )
@@ -724,4 +740,5 @@ def policy_gradient_step(
         n_sequences=float(n_sequences),
         n_dropped_groups=float(n_dropped_groups),
         last_ratio_std=stats.ratio_std if cfg.updates_per_batch > 1 else math.nan,
+        staleness=float(batch.staleness),
     )

@@ -15,6 +15,7 @@ from redteam_grpo.core.tokens.logprobs import token_logprobs
 from redteam_grpo.core.training.loss import gspo_loss, importance_sampling_loss, ppo_clip_loss
 from redteam_grpo.core.training.train import (
     NonFiniteUpdateError,
+    RatioCheckError,
     TrainBatch,
     UpdateStats,
     informative_rows,
@@ -152,6 +153,7 @@ def test_update_stats_has_exactly_the_documented_float_fields(tiny_policy):
         "logprob_mismatch_share",
         "correction_token_share",
         "correction_sequence_share",
+        "staleness",
     ]
     assert [f.name for f in dataclasses.fields(UpdateStats)] == names
     batch = _batch(tiny_policy)
@@ -380,6 +382,51 @@ def test_truncated_is_with_another_sampler_keeps_the_first_trainer_logprobs_and_
     assert ((ratio > cap) & mask).any() and ((ratio < 1.0) & mask).any()  # some weights capped, some below 1
     assert stats.correction_token_share == pytest.approx(float(((ratio > cap) & mask).sum() / mask.sum()))
     assert stats.last_ratio_std > 1e-3  # the later ratio is against the kept logprobs, not recomputed ones
+
+
+def test_a_batch_drawn_one_update_ago_trains_decoupled_against_its_behaviour_logprobs_without_the_check(tiny_policy):
+    # Bug class behaviour-logprobs-replaced (docs/bug-classes.md): one step off-policy (training.max_staleness=1).
+    # The trainer is one update ahead of the weights that drew the batch; the ratio is against the trainer's own
+    # logprobs at the step and each token weighted by min(p_trainer / p_behaviour, 2), p_behaviour the stored
+    # sampling logprobs. Were the trainer's logprobs put in their place, every weight would be 1, silently.
+    _perturb_adapter(tiny_policy)
+    batch = dataclasses.replace(_batch(tiny_policy), sampler="vllm")  # drawn by these weights
+    cfg = TrainingConfig(grad_clip=None, learning_rate=3e-2, micro_batch_size=5)
+    params = tiny_policy.trainable_parameters()
+    policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), batch, cfg)  # the update the sampler missed
+    before = [p.detach().clone() for p in params]
+    # held to the first-update check as if fresh, it is refused: the sampler's weights are not the trainer's
+    with pytest.raises(RatioCheckError):
+        policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, cfg), batch, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+
+    stale = dataclasses.replace(batch, staleness=1)
+    optimizer = RecordingAdamW(params, lr=1e-2)
+    stats = policy_gradient_step(tiny_policy, optimizer, stale, cfg)
+    assert stats.staleness == 1.0
+    assert stats.sampler_kl > 1e-5  # KL(behaviour || current), reported: one update of 3e-2 apart
+
+    trainer_old = {}
+
+    def old_fn(logprobs, mask):
+        trainer_old.setdefault("lp", logprobs.detach())
+        return trainer_old["lp"]
+
+    def is_weights(mask):  # min(p_trainer / p_behaviour, 2): token_truncate, the default for another engine
+        ratio = torch.exp(trainer_old["lp"] - _sample_logprobs(stale, mask))
+        return torch.where(mask, ratio.clamp(max=2.0), torch.zeros_like(ratio))
+
+    (values,), (recorded,) = optimizer.values, optimizer.grads
+    expected, _, mask, _ = _replayed_gradient(
+        tiny_policy, params, values, stale, importance_sampling_loss, "token", old_fn, is_weights
+    )
+    _assert_same_gradient(recorded, expected)
+    factors = torch.exp(trainer_old["lp"] - _sample_logprobs(stale, mask))[mask]
+    assert (factors - 1).abs().mean() > 1e-3  # the weights are not 1: the test tells the two apart
+
+    with pytest.raises(ValueError, match="needs a mismatch correction"):
+        no_correction = TrainingConfig(mismatch_correction="none")
+        policy_gradient_step(tiny_policy, make_optimizer(tiny_policy, no_correction), stale, no_correction)
 
 
 def test_constant_normalisation_needs_the_samplers_max_new_tokens(tiny_policy):

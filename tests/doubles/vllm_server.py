@@ -49,6 +49,7 @@ def build_app(model: str, logprob_noise: float = 0.0) -> FastAPI:
     app = FastAPI(title="vLLM stand-in")
     tokenizer = load_tokenizer(ModelConfig(policy=model))
     base = AutoModelForCausalLM.from_pretrained(resolve_model_name(model), dtype=torch.float32).eval()
+    model = resolve_model_name(model)  # the base's name, as `vllm serve PATH` (serve-sampler) names it
     state: dict[str, Any] = {"model": base, "adapters": {}}
     lock = threading.Lock()  # one generation at a time, as one engine
 

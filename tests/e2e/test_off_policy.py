@@ -1,0 +1,168 @@
+"""One step off-policy (training.max_staleness=1): iteration i + 1 drawn with the adapter after i - 1 while iteration
+i's update runs, through a sampler in another process. The sampler is the stand-in that speaks vLLM's protocol
+(tests/doubles/vllm_server.py), which draws with transformers and a seed, the same tokens every time: two runs can be
+compared bit for bit, which another engine's batching does not promise. The real engine runs the same mode in
+tests/e2e/test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+
+from redteam_grpo.core.config import load_config
+from redteam_grpo.core.training.staleness import drawing_version
+from redteam_grpo.flows import attack
+from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.rundir import RunDir, sha256_file
+from redteam_grpo.storage.stages import SAMPLE, TRAIN_STEP
+from tests.e2e.test_cli import CLI, ROOT, _wait_until_recorded
+from tests.e2e.test_reward_server_run import _free_port
+from tests.small_runs import SMALL_RUN
+
+pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
+ITERATIONS = 4
+OFF_POLICY = ["sampling.backend=vllm", "training.max_staleness=1", f"run.iterations={ITERATIONS}", *SMALL_RUN]
+
+
+@pytest.fixture(scope="module")
+def stand_in(tmp_path_factory):
+    """The stand-in sampler on a free loopback port, serving the embedded attack policy."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("stand-in") / "server.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "doubles" / "vllm_server.py"), "--port", str(port)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the stand-in never answered /health:\n" + log.read_text()[-3000:]
+        time.sleep(0.5)
+    yield url
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def _overrides(url: str, runs: Path, run_id: str) -> list[str]:
+    return [*OFF_POLICY, f"sampling.vllm_url={url}", f"run.runs_dir={runs}", f"run.run_id={run_id}"]
+
+
+@pytest.fixture(scope="module")
+def straight(stand_in, tmp_path_factory) -> RunDir:
+    """An uninterrupted one-step-off-policy run, in this process."""
+    runs = tmp_path_factory.mktemp("straight")
+    attack.attack_run(config=load_config(None, _overrides(stand_in, runs, "straight")).model_dump(mode="json"))
+    return RunDir.open(runs / "straight")
+
+
+def _task_runs(run_id: str) -> dict[str, list]:
+    """The task runs of the run's flow run by name (a train step's names, `train_step-<suffix>`, as one), each list in
+    order of start."""
+    with get_client(sync_client=True) as client:
+        (first,) = client.read_task_runs(
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[f"{run_id}-iteration-0"]))
+        )
+        flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[first.flow_run_id]))
+        found: dict[str, list] = {}
+        for task_run in client.read_task_runs(flow_run_filter=flow_run, limit=200):
+            name = TRAIN_STEP.name if task_run.name.startswith(f"{TRAIN_STEP.name}-") else task_run.name
+            found.setdefault(name, []).append(task_run)
+    return {name: sorted(runs, key=lambda r: r.start_time) for name, runs in found.items()}
+
+
+def test_each_iteration_is_drawn_by_the_adapter_two_before_beside_the_update_and_trains_decoupled(straight):
+    run = straight
+    assert run.manifest()["status"] == "completed"
+    for iteration in range(ITERATIONS):
+        versions = set(run.read(SAMPLE, iteration).column("policy_version").to_pylist())
+        assert versions == {drawing_version(iteration, 1)}, (iteration, versions)  # -1, -1, 0, 1
+    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(ITERATIONS))
+    assert metrics.staleness.tolist() == [0.0, 1.0, 1.0, 1.0]
+    # iteration 0 is drawn by the weights it trains from: held to the first-update check, within its bound
+    assert metrics.sampler_kl.iloc[0] <= metrics.sampler_kl_tolerance.iloc[0]
+    # the later ones by weights one update behind: KL(behaviour || current) is reported, above any rounding bound
+    assert (metrics.sampler_kl.iloc[1:] > metrics.sampler_kl_tolerance.iloc[1:]).all(), metrics.sampler_kl.tolist()
+
+    # In Prefect, iteration i + 1's sample shard runs while iteration i's train step does.
+    runs = _task_runs("straight")
+    steps = runs[TRAIN_STEP.name]
+    assert len(steps) == ITERATIONS
+    for iteration in range(ITERATIONS - 1):
+        (shard,) = runs[f"sample-{iteration + 1}-shard-0"]
+        step = steps[iteration]
+        assert shard.start_time < step.end_time and step.start_time < shard.end_time, (iteration, shard, step)
+        when = f"{step.start_time:%S.%f}-{step.end_time:%S.%f}", f"{shard.start_time:%S.%f}-{shard.end_time:%S.%f}"
+        print(f"iteration {iteration}: train step {when[0]}, sample of iteration {iteration + 1} {when[1]}")
+
+
+def _same_adapters(left: RunDir, right: RunDir) -> None:
+    for iteration in range(ITERATIONS):
+        for name in (checkpoints.ADAPTER_FILE, checkpoints.OPTIMIZER_FILE):
+            files = [r.checkpoint_dir(iteration) / name for r in (left, right)]
+            assert sha256_file(files[0]) == sha256_file(files[1]), f"{name} of iteration {iteration} differs"
+
+
+def test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte(straight, stand_in, tmp_path):
+    # Bug class resume-draws-with-the-wrong-version (docs/bug-classes.md): a resume draws iteration i + 1 with the
+    # adapter after i - 1, as the uninterrupted run did, not with the newest one it finds sealed.
+    args = [*_overrides(stand_in, tmp_path, "killed"), "logging.progress=false"]
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [*CLI, "run", *(a for s in args for a in ("--set", s))],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    root = tmp_path / "killed"
+    try:
+        _wait_until_recorded(proc, root, "2/sample", log_path)  # drawn beside iteration 1's update
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+    attack.attack_run(resume=str(root))
+    _same_adapters(RunDir.open(root), straight)
+
+    # The kill at the one moment the overlap makes: iteration 1 sealed, iteration 2's rollouts not yet recorded.
+    copy = tmp_path / "redone"
+    shutil.copytree(straight.root, copy)
+    attack.attack_run(resume=str(copy), redo="2/sample")
+    redone = RunDir.open(copy)
+    assert set(redone.read(SAMPLE, 2).column("policy_version").to_pylist()) == {0}
+    _same_adapters(redone, straight)
+
+
+def test_a_three_turn_run_draws_the_policy_s_turns_with_the_adapter_two_before_and_the_attacker_s_with_the_base(
+    stand_in, tmp_path
+):
+    overrides = [*_overrides(stand_in, tmp_path, "dialogue"), "dialogue.turns=3", "run.iterations=3"]
+    attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "dialogue")
+    for iteration in range(3):
+        rows = run.read(SAMPLE, iteration).to_pandas()
+        drawn = rows.groupby("speaker").policy_version.unique().map(list).to_dict()
+        assert drawn == {"policy": [drawing_version(iteration, 1)], "attacker": [-1]}, (iteration, drawn)
+    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(3))
+    assert metrics.staleness.tolist() == [0.0, 1.0, 1.0]
