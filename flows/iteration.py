@@ -9,10 +9,11 @@
 The order lives in `storage/modes.py` (`Mode.stages`), the stage records in `storage/stages.py`; this file binds each
 stage to its Prefect task, and nothing here depends on which mode runs.
 
-One step off-policy (training.max_staleness=1, where `Mode.staleness` allows it): iteration i + 1's sample stage runs
-in a thread beside iteration i's update and checkpoint, drawing with the adapter after i - 1 from its checkpoint on
-disk (tasks/sample.py), so the engine samples while the trainer steps; its shards are child task runs of iteration i's
-run, overlapping its train step in the UI. Iteration i + 1 finds its rollouts recorded and goes on from its score.
+One step off-policy (training.max_staleness=1, where `Mode.staleness` allows it): iteration i + 1's stages up to its
+rollouts (defense: attack, then sample) run in a thread beside iteration i's updates and checkpoint, drawing with the
+adapters after i - 1 from their checkpoints on disk (tasks/sample.py, tasks/attack.py), so the engine samples while the
+trainer steps; they are child task runs of iteration i's run, overlapping its train step in the UI. Iteration i + 1
+finds them recorded and goes on from its score.
 
 The iteration is a task run (`iteration_task`, the stages its child task runs) where the shards run in the run's
 process, and a subflow run (`iteration_flow`) where they run on Ray: a subflow run is what carries a task runner of
@@ -41,6 +42,7 @@ from redteam_grpo.storage.stages import (
     SCORE,
     SFT_TRAIN,
     TRAIN_STEP,
+    Stage,
 )
 from redteam_grpo.tasks.advantage import advantage_stage, attack_advantage_stage
 from redteam_grpo.tasks.artifacts import publish_iteration
@@ -71,11 +73,12 @@ STAGE_TASKS: dict[str, Callable[[str, int], str]] = {
 
 
 class SampleAhead:
-    """The sample stage of an iteration in a thread of its own (with the Prefect context of the run that starts it),
-    beside the update of the iteration before; `join` waits for it and raises what it raised."""
+    """The stages of an iteration up to its rollouts (defense: the attacker's prompts, then the defender's answers) in
+    a thread of its own, with the Prefect context of the run that starts it, beside the updates of the iteration
+    before; `join` waits for them and raises what they raised."""
 
-    def __init__(self, run_dir: str, iteration: int) -> None:
-        self.iteration = iteration
+    def __init__(self, run_dir: str, iteration: int, stages: tuple[Stage, ...]) -> None:
+        self.iteration, self.stages = iteration, stages
         self.error: BaseException | None = None
         context = contextvars.copy_context()  # Prefect's run context: its shards are child task runs of this one
         # a daemon: a stop signal ends the process without waiting for the engine (its parts are written atomically)
@@ -86,7 +89,8 @@ class SampleAhead:
 
     def _sample(self, run_dir: str) -> None:
         try:
-            STAGE_TASKS[SAMPLE.name](run_dir, self.iteration)
+            for stage in self.stages:
+                STAGE_TASKS[stage.name](run_dir, self.iteration)
         except BaseException as exc:  # raised in the iteration's own thread by `join`
             self.error = exc
 
@@ -115,7 +119,7 @@ def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]
                     iteration + 1,
                     drawing_version(iteration + 1, steps),
                 )
-                ahead = SampleAhead(run_dir, iteration + 1)
+                ahead = SampleAhead(run_dir, iteration + 1, (*mode.before, SAMPLE))
             STAGE_TASKS[stage.name](run_dir, iteration)
     except Exception:
         if ahead is not None:  # what it records stays valid: its draw is fixed by its iteration

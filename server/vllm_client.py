@@ -33,12 +33,14 @@ import os
 import shlex
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from redteam_grpo.core.rollouts.sampling import Completion
+from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.server.retry import RETRIED_ERRORS, RetriesExhausted, send_with_retries
 from redteam_grpo.server.settings import SAMPLER_TOKEN_ENV, no_empty_token, sampler_token, warn_token_in_clear
 from redteam_grpo.server.vllm_env import Engine
@@ -110,6 +112,19 @@ def shown_command(command: list[str], env: dict[str, str]) -> str:
         f"{k}=${SECRET_ENV[k]}" if k in SECRET_ENV else f"{k}={shlex.quote(v)}" for k, v in env.items()
     )
     return f"{shown_env} {shlex.join(command)}".lstrip()
+
+
+MAX_REQUESTS_IN_FLIGHT = 64  # one per prompt, sent at once: the engine batches what arrives together
+
+
+def prompt_seed(seed: int, prompt: int) -> int:
+    """The seed of prompt `prompt`'s request in a call seeded `seed`; vLLM draws child g of the request with the
+    request's seed + g, so each (prompt, child) has a stream of its own.
+
+    >>> len({prompt_seed(7, p) + g for p in range(100) for g in range(16)})
+    1600
+    """
+    return derive_seed(seed, "prompt", prompt)
 
 
 class SamplerError(RuntimeError):
@@ -215,10 +230,13 @@ class VllmSampler:
         end_of_turn_ids: Sequence[int],
         suppressed_ids: Sequence[int],
     ) -> list[Completion]:
-        """G completions of every prompt from `adapter`, in the in-process sampler's order (prompt, then sample)."""
+        """G completions of every prompt from `adapter`, in the in-process sampler's order (prompt, then sample).
+
+        Each prompt is a request of its own, with its own seed (`prompt_seed`), sent at once (the engine batches
+        them): vLLM gives every prompt of one request the request's seed, so the k-th completion of each would draw
+        from the same random stream (bug class `engine-seed-shared-across-prompts`)."""
         payload = {
             "model": adapter,
-            "prompt": [list(p) for p in prompt_ids],
             "n": group_size,
             "max_tokens": max_new_tokens,
             "temperature": temperature,
@@ -229,27 +247,36 @@ class VllmSampler:
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "min_tokens": 0,
-            "seed": seed,
             "logprobs": 0,
             "return_token_ids": True,
             "stop_token_ids": list(end_of_turn_ids),
             "logit_bias": {str(i): SUPPRESSING_BIAS for i in suppressed_ids},
             "skip_special_tokens": False,
         }
-        response = self._post("/v1/completions", payload)
-        if response.status_code != 200:
-            raise SamplerError(
-                f"the vLLM sampler refused the request: HTTP {response.status_code} {response.text[:400]}"
+
+        def one_prompt(p: int) -> list[dict[str, Any]]:
+            response = self._post(
+                "/v1/completions", {**payload, "prompt": list(prompt_ids[p]), "seed": prompt_seed(seed, p)}
             )
-        body = response.json()
-        if body.get("model") != adapter:
-            raise SamplerError(
-                f"the vLLM sampler answered with adapter {body.get('model')!r}, not {adapter!r}: these completions "
-                "are not from the policy being trained, and are not used"
-            )
-        choices = sorted(body["choices"], key=lambda c: c["index"])
-        if [c["index"] for c in choices] != list(range(len(prompt_ids) * group_size)):
-            raise SamplerError(f"expected {len(prompt_ids)} x {group_size} completions, got {len(choices)}")
+            if response.status_code != 200:
+                raise SamplerError(
+                    f"the vLLM sampler refused the request: HTTP {response.status_code} {response.text[:400]}"
+                )
+            body = response.json()
+            if body.get("model") != adapter:
+                raise SamplerError(
+                    f"the vLLM sampler answered with adapter {body.get('model')!r}, not {adapter!r}: these "
+                    "completions are not from the policy being trained, and are not used"
+                )
+            choices = sorted(body["choices"], key=lambda c: c["index"])
+            if [c["index"] for c in choices] != list(range(group_size)):
+                raise SamplerError(f"expected {group_size} completions of prompt {p}, got {len(choices)}")
+            return [{**c, "index": p * group_size + c["index"]} for c in choices]
+
+        if not prompt_ids:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(prompt_ids), MAX_REQUESTS_IN_FLIGHT)) as pool:
+            choices = [c for answered in pool.map(one_prompt, range(len(prompt_ids))) for c in answered]
         stops, suppressed = set(end_of_turn_ids), set(suppressed_ids)
         completions = []
         for choice in choices:

@@ -80,8 +80,8 @@ class Mode:
 
     def staleness(self, cfg: Config) -> tuple[int, str | None]:
         """The staleness this run's updates train at: training.max_staleness where the pipeline can draw iteration
-        i + 1 while iteration i's update runs, else 0 (synchronous); and, where it asked for more than it gets, the
-        one line that says why."""
+        i + 1 (its stages before the learners' and its rollouts: defense's attack and sample) while iteration i's
+        updates run, else 0 (synchronous); and, where it asked for more than it gets, the one line that says why."""
         asked = cfg.training.max_staleness
         if asked == 0:
             return 0, None
@@ -92,10 +92,6 @@ class Mode:
                 "the in-process sampler draws with the trainer's own weights, which the update is changing; the vLLM "
                 "sampler (sampling.backend=vllm) draws beside it"
             )
-        elif self.before:
-            why = f"its prompts are written by the {self.before[0].name} stage of each iteration, not drawn ahead yet"
-        elif len(self.learners(cfg)) > 1:
-            why = "two learners update one after the other"
         elif cfg.runtime.task_runner == "ray":
             why = "the sample stage's shards run on Ray, which the overlap does not drive yet"
         else:

@@ -9,6 +9,7 @@ goal's id, prompt the goal, completion the attacker's prompt, with ids and logpr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pyarrow as pa
@@ -22,7 +23,13 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage.stages import ATTACK
 from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
-from redteam_grpo.tasks.sample import held_version, rollouts_stats, sample_rollouts, vllm_draw
+from redteam_grpo.tasks.sample import (
+    attacker_drawing_version,
+    held_version,
+    rollouts_stats,
+    sample_rollouts,
+    vllm_draw,
+)
 
 
 @task(name=ATTACK.name, cache_policy=NO_CACHE)
@@ -31,16 +38,23 @@ def attack_stage(run_dir: str, iteration: int) -> str:
     cfg = res.config
 
     def compute() -> tuple[pa.Table, Any]:
-        res.ensure_version(iteration - 1)
         goals = prompts_for_iteration(
             res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
         )
         seed = derive_seed(cfg.run.seed, "attack", iteration)
-        draw = None
-        if cfg.sampling.backend == "vllm":  # the attacker's adapter beside the defender's on the served base
-            d = cfg.defense
-            draw = vllm_draw(res, iteration - 1, seed, ATTACKER, d.prompts_per_goal, d.attacker_max_new_tokens)
-        with res.policy.role(ATTACKER):
+        d = cfg.defense
+        stale = attacker_drawing_version(res, iteration)
+        if stale is not None:  # one step off-policy: from its checkpoint, the weights in memory left to the update
+            version, context = stale, contextlib.nullcontext()
+            draw = vllm_draw(
+                res, stale, seed, ATTACKER, d.prompts_per_goal, d.attacker_max_new_tokens, from_checkpoint=True
+            )
+        else:
+            res.ensure_version(iteration - 1)
+            version, context, draw = held_version(res, ATTACKER), res.policy.role(ATTACKER), None
+            if cfg.sampling.backend == "vllm":  # the attacker's adapter beside the defender's on the served base
+                draw = vllm_draw(res, iteration - 1, seed, ATTACKER, d.prompts_per_goal, d.attacker_max_new_tokens)
+        with context:
             table = sample_rollouts(
                 res.policy,
                 res.run.run_id,
@@ -52,7 +66,7 @@ def attack_stage(run_dir: str, iteration: int) -> str:
                 cfg.defense.attacker_max_new_tokens,
                 cfg.sampling.batch_size,
                 seed,
-                held_version(res, ATTACKER),
+                version,
                 draw,
                 speaker=ATTACKER_SPEAKER,
             )

@@ -118,15 +118,19 @@ def rollouts_table(
     )
 
 
-def engine_turns(res: RunResources, iteration: int, policy_adapter: str):
+def engine_turns(res: RunResources, iteration: int, stale: int | None, attacker_stale: int | None):
     """sampling.backend=vllm: the `sample` function and `attacker` context of `sample_dialogues` on the engine. The
-    policy's turns use its adapter (`policy_adapter`, loaded); inside `attacker()` the turns use the attacker's adapter
-    (defense) or the served base without one (attack mode's frozen attacker). The ids go as they are, one request per
-    turn."""
+    policy's turns use its adapter; inside `attacker()` the turns use the attacker's adapter (defense) or the served
+    base without one (attack mode's frozen attacker). The ids go as they are, one request per turn. `stale`,
+    `attacker_stale`: one step off-policy, the versions whose checkpoints the adapters are served from."""
     cfg, policy = res.config, res.policy
-    names = {POLICY_SPEAKER: policy_adapter}
+    names = {POLICY_SPEAKER: res.vllm_adapter(iteration - 1) if stale is None else res.vllm_checkpoint_adapter(stale)}
     if ATTACKER in mode_of(cfg).roles:  # the attacker speaks through its adapter on the base
-        names[ATTACKER_SPEAKER] = res.vllm_adapter(iteration - 1, ATTACKER)
+        names[ATTACKER_SPEAKER] = (
+            res.vllm_adapter(iteration - 1, ATTACKER)
+            if attacker_stale is None
+            else res.vllm_checkpoint_adapter(attacker_stale, ATTACKER)
+        )
     else:  # the served base's name: the model the server was started with
         names[ATTACKER_SPEAKER] = resolve_model_name(cfg.model.policy)
     speaking = [POLICY_SPEAKER]
@@ -183,12 +187,13 @@ def sample_dialogue_rollouts(
         }
         openings = [first_turn[p.prompt_id] for p in prompts]
         attacker = functools.partial(policy.role, ATTACKER)
-        attacker_version = held_version(res, ATTACKER)
+        attacker_stale = attacker_drawing_version(res, iteration)
+        attacker_version = held_version(res, ATTACKER) if attacker_stale is None else attacker_stale
     else:
         instructions = cfg.dialogue.attacker_system_prompt
         openings = [glue.opening(instructions.replace("{prompt}", p.text)) for p in prompts]
         attacker = policy.reference
-        attacker_version = INIT_VERSION  # the base: no update made its weights
+        attacker_version, attacker_stale = INIT_VERSION, None  # the base: no update made its weights
     policy_version = held_version(res, DEFAULT_ROLE) if stale is None else stale
     drawn_by = {POLICY_SPEAKER: policy_version, ATTACKER_SPEAKER: attacker_version}
 
@@ -196,8 +201,7 @@ def sample_dialogue_rollouts(
         return sample_completions(policy, prompt_ids, group_size, max_new_tokens, cfg.sampling.batch_size, turn_seed)
 
     if cfg.sampling.backend == "vllm":  # every turn a round trip to the engine, with the speaker's adapter
-        served = res.vllm_adapter(iteration - 1) if stale is None else res.vllm_checkpoint_adapter(stale)
-        sample, attacker = engine_turns(res, iteration, served)
+        sample, attacker = engine_turns(res, iteration, stale, attacker_stale)
 
     records = sample_dialogues(
         sample,
@@ -238,6 +242,22 @@ def sample_dialogue_rollouts(
         speaker=[r.speaker for r in records],
         policy_version=[drawn_by[r.speaker] for r in records],
     )
+
+
+def drawing_stale_version(res: RunResources, iteration: int) -> int | None:
+    """One step off-policy (`Mode.staleness`): the version of the policy's adapter that draws `iteration`
+    (`core/training/staleness.py: drawing_version`), served from its checkpoint; None when the run is synchronous."""
+    steps, _ = mode_of(res.config).staleness(res.config)
+    return drawing_version(iteration, steps) if steps else None
+
+
+def attacker_drawing_version(res: RunResources, iteration: int) -> int | None:
+    """As `drawing_stale_version`, for the attacker's adapter: its own drawing version where it learns (self-play),
+    else its initial checkpoint's, which it keeps."""
+    stale = drawing_stale_version(res, iteration)
+    if stale is None or ATTACKER in mode_of(res.config).learning_roles(res.config):
+        return stale
+    return INIT_VERSION
 
 
 def held_version(res: RunResources, role: str) -> int:
@@ -322,8 +342,7 @@ def sample_shard(run_dir: str, iteration: int, shard: int, session: str | None =
     left to the update that runs meanwhile (`core/training/staleness.py: drawing_version`)."""
     res = resources_for(run_dir, session)
     cfg = res.config
-    steps, _ = mode_of(cfg).staleness(cfg)
-    stale = drawing_version(iteration, steps) if steps else None
+    stale = drawing_stale_version(res, iteration)
     if stale is None:
         res.ensure_version(iteration - 1)
     prompts = iteration_prompts(res, iteration)

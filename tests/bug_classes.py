@@ -113,9 +113,16 @@ BUG_CLASSES = [
     (
         "resume-draws-with-the-wrong-version",
         "tasks/sample.py",
-        "stale = drawing_version(iteration, steps) if steps else None",
-        "stale = max(res.run.completed_iterations(), default=-1) if steps else None",
+        "return drawing_version(iteration, steps) if steps else None",
+        "return max(res.run.completed_iterations(), default=-1) if steps else None",
         "tests/e2e/test_off_policy.py::test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte",
+    ),
+    (
+        "engine-seed-shared-across-prompts",
+        "server/vllm_client.py",
+        '{**payload, "prompt": list(prompt_ids[p]), "seed": prompt_seed(seed, p)}',
+        '{**payload, "prompt": list(prompt_ids[p]), "seed": seed}',
+        "tests/server/test_vllm_client.py::test_every_prompt_of_a_call_draws_from_its_own_random_stream",
     ),
     (
         "rollouts-drawn-by-another-version",

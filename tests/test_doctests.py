@@ -18,6 +18,8 @@ EXAMPLES_AT_LEAST = {
     "redteam_grpo.tasks.evaluate_defense": 2,
     "redteam_grpo.server.limits": 1,
     "redteam_grpo.core.hosts": 1,
+    "redteam_grpo.core.training.staleness": 1,
+    "redteam_grpo.server.vllm_client": 1,
 }
 
 

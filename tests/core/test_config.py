@@ -185,3 +185,18 @@ def test_the_replaced_clip_epsilon_is_refused_naming_the_ppo_clip_settings():
 def test_a_non_finite_or_absurd_setting_is_refused_naming_it(setting, named):
     with pytest.raises(ConfigError, match=rf"{re.escape(setting.split('=')[0])}: {named}"):
         load_config(None, [setting])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["training.max_staleness=2"], r"training.max_staleness.*less than or equal to 1"),
+        (
+            ["training.max_staleness=1", "training.mismatch_correction=none"],
+            r"training.max_staleness=1 trains on rollouts drawn by older weights.*mismatch_correction",
+        ),
+    ],
+)
+def test_one_step_off_policy_at_most_and_never_without_a_correction(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)

@@ -23,9 +23,10 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskR
 from redteam_grpo.core.config import load_config
 from redteam_grpo.core.training.staleness import drawing_version
 from redteam_grpo.flows import attack
+from redteam_grpo.flows.defense import defense_run
 from redteam_grpo.storage import checkpoints
 from redteam_grpo.storage.rundir import RunDir, sha256_file
-from redteam_grpo.storage.stages import SAMPLE, TRAIN_STEP
+from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, BY_NAME, SAMPLE, TRAIN_STEP
 from tests.e2e.test_cli import CLI, ROOT, _wait_until_recorded
 from tests.e2e.test_reward_server_run import _free_port
 from tests.small_runs import SMALL_RUN
@@ -38,11 +39,25 @@ OFF_POLICY = ["sampling.backend=vllm", "training.max_staleness=1", f"run.iterati
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
     """The stand-in sampler on a free loopback port, serving the embedded attack policy."""
+    yield from _served(tmp_path_factory, "embedded:tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def defense_stand_in(tmp_path_factory):
+    """The stand-in serving the defense base, on which the attacker's and the defender's adapters are loaded."""
+    yield from _served(tmp_path_factory, "embedded:tiny-qwen3-safe")
+
+
+def _served(tmp_path_factory, model: str):
     port = _free_port()
     log = tmp_path_factory.mktemp("stand-in") / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "doubles" / "vllm_server.py"), "--port", str(port)],
+            [
+                sys.executable,
+                str(ROOT / "tests" / "doubles" / "vllm_server.py"),
+                *("--port", str(port), "--model", model),
+            ],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -77,8 +92,8 @@ def straight(stand_in, tmp_path_factory) -> RunDir:
 
 
 def _task_runs(run_id: str) -> dict[str, list]:
-    """The task runs of the run's flow run by name (a train step's names, `train_step-<suffix>`, as one), each list in
-    order of start."""
+    """The task runs of the run's flow run by name (a stage task's runs, `train_step-<suffix>`, under its stage's name),
+    each list in order of start."""
     with get_client(sync_client=True) as client:
         (first,) = client.read_task_runs(
             task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[f"{run_id}-iteration-0"]))
@@ -86,7 +101,8 @@ def _task_runs(run_id: str) -> dict[str, list]:
         flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[first.flow_run_id]))
         found: dict[str, list] = {}
         for task_run in client.read_task_runs(flow_run_filter=flow_run, limit=200):
-            name = TRAIN_STEP.name if task_run.name.startswith(f"{TRAIN_STEP.name}-") else task_run.name
+            stem = task_run.name.rsplit("-", 1)[0]
+            name = stem if stem in BY_NAME else task_run.name  # a stage's task run: its name and Prefect's suffix
             found.setdefault(name, []).append(task_run)
     return {name: sorted(runs, key=lambda r: r.start_time) for name, runs in found.items()}
 
@@ -166,3 +182,28 @@ def test_a_three_turn_run_draws_the_policy_s_turns_with_the_adapter_two_before_a
         assert drawn == {"policy": [drawing_version(iteration, 1)], "attacker": [-1]}, (iteration, drawn)
     metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(3))
     assert metrics.staleness.tolist() == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("self_play", [False, True], ids=["defense", "self-play"])
+def test_defense_draws_the_attacker_s_prompts_and_the_defender_s_answers_ahead_with_the_adapters_two_before(
+    defense_stand_in, tmp_path, self_play
+):
+    run_id = "self-play" if self_play else "defense"  # the task runs are found by the run's name
+    overrides = ["sampling.backend=vllm", "training.max_staleness=1", "run.iterations=3", f"run.runs_dir={tmp_path}"]
+    overrides += [f"sampling.vllm_url={defense_stand_in}", f"run.run_id={run_id}"]
+    overrides += [f"defense.self_play={str(self_play).lower()}"]
+    overrides += ["data.prompts_per_iteration=4", "sampling.group_size=2", "defense.prompts_per_goal=2"]
+    run = RunDir.open(Path(defense_run(config=load_config(None, overrides, mode="defense").model_dump(mode="json"))))
+    assert run.manifest()["status"] == "completed"
+    for iteration in range(3):
+        drawn = drawing_version(iteration, 1)
+        attacker = drawn if self_play else -1  # a learning attacker draws ahead too; a frozen one is its initial self
+        assert set(run.read(ATTACK, iteration).column("policy_version").to_pylist()) == {attacker}
+        assert set(run.read(SAMPLE, iteration).column("policy_version").to_pylist()) == {drawn}
+    for stage in (TRAIN_STEP, ATTACK_TRAIN_STEP) if self_play else (TRAIN_STEP,):
+        metrics = pd.concat(pd.read_parquet(run.path(stage, i)) for i in range(3))
+        assert metrics.staleness.tolist() == [0.0, 1.0, 1.0], stage.name
+    runs = _task_runs(run_id)
+    for iteration in range(2):  # the attacker wrote iteration i + 1's prompts while iteration i's defender stepped
+        (attack,), step = runs[ATTACK.name][iteration + 1 : iteration + 2], runs[TRAIN_STEP.name][iteration]
+        assert attack.start_time < step.end_time, (iteration, attack, step)

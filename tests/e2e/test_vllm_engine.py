@@ -28,6 +28,7 @@ from redteam_grpo.core.config import ModelConfig, TrainingConfig, load_config
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.models.chat import format_prompt_ids
 from redteam_grpo.core.models.policy import load_policy, resolve_model_name
+from redteam_grpo.core.training.staleness import drawing_version
 from redteam_grpo.core.training.train import FIRST_UPDATE_GATES, TrainBatch
 from redteam_grpo.flows import attack
 from redteam_grpo.flows.defense import defense_run
@@ -38,6 +39,7 @@ from redteam_grpo.storage.stages import ATTACK, ATTACK_TRAIN_STEP, SAMPLE, SCORE
 from redteam_grpo.tasks.evaluate import evaluate_checkpoint
 from redteam_grpo.tasks.evaluate_defense import evaluate_defense
 from tests.e2e.test_cli import CLI, ROOT
+from tests.e2e.test_off_policy import _task_runs
 from tests.e2e.test_reward_server_run import _free_port
 from tests.first_update import (
     PROMPTS,
@@ -182,6 +184,28 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
     assert set(rates) >= {"base", "adapter"}
     served = {card["id"] for card in httpx.get(engine.url + "/v1/models").json()["data"]}
     assert any(name.startswith("real-eval-v1-") for name in served)
+
+
+def test_one_step_off_policy_samples_each_iteration_on_the_engine_with_the_adapter_two_before(tmp_path, engine):
+    # training.max_staleness=1: iteration i + 1 drawn with the adapter after i - 1 beside iteration i's update
+    overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={engine.url}", "training.max_staleness=1", *SMALL_RUN]
+    overrides += ["run.iterations=3", f"run.runs_dir={tmp_path}", "run.run_id=ahead"]
+    attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "ahead")
+    for iteration in range(3):
+        versions = set(run.read(SAMPLE, iteration).column("policy_version").to_pylist())
+        assert versions == {drawing_version(iteration, 1)}, (iteration, versions)
+    metrics = _mismatch(run, 3)
+    assert metrics.staleness.tolist() == [0.0, 1.0, 1.0]
+    assert_a_third_of_each_bound(metrics.iloc[:1])  # drawn by the weights it trains from: the engine's noise alone
+    # KL(behaviour || current) is reported, not checked: one update of the default learning rate moved it to 6.2e-5
+    # and 2.3e-4 here (iteration 0, the engine's noise alone: 1.4e-5), below the engine's bound of 3e-4 to 4e-4, as
+    # core/training/train.py says a step can be; the stand-in in float32 tells them apart (tests/e2e/test_off_policy.py)
+    assert metrics.sampler_kl.notna().all() and (metrics.correction_token_share >= 0).all()
+    runs = _task_runs("ahead")
+    for iteration in range(2):  # the engine sampled iteration i + 1 while the trainer stepped iteration i
+        (shard,), step = runs[f"sample-{iteration + 1}-shard-0"], runs[TRAIN_STEP.name][iteration]
+        assert shard.start_time < step.end_time and step.start_time < shard.end_time, (iteration, shard, step)
 
 
 @pytest.mark.parametrize("self_play", [False, True])
@@ -335,6 +359,17 @@ def test_a_seeded_batch_longer_than_one_prefill_step_is_sampled_and_the_engine_l
     assert len(sampler.sample(base, prompts[:1], 2, 4, 1.0, 1, [2], [])) == 2  # still serving
 
 
+def test_the_same_prompt_twice_in_one_call_draws_two_different_groups_on_the_engine(engine):
+    # Bug class engine-seed-shared-across-prompts: one request of several prompts seeds them all alike on vLLM (this
+    # engine gave the same four completions twice before each prompt became a request with a seed of its own)
+    policy = load_policy(ModelConfig(dtype="bfloat16"), 1.0, torch.device("cpu"), 0)
+    prompt = format_prompt_ids(policy.tokenizer, "Tell me about your neighbour.", None)
+    base, eot = resolve_model_name(ModelConfig().policy), policy.end_of_turn_ids
+    drawn = VllmSampler(engine.url, retries=0).sample(base, [prompt, prompt], 4, 12, 1.0, 7, eot, [])
+    first, second = ([c.completion_ids for c in drawn if c.prompt_index == p] for p in (0, 1))
+    assert first != second, first
+
+
 def test_suppressing_by_logit_bias_draws_the_same_tokens_with_the_same_logprobs_as_allowed_ids(engine):
     # the client forbids the few suppressed ids by a bias of -100 (free) instead of listing every other id (12 % of
     # the throughput at Qwen3's vocabulary, bench 5): the same seed must give the same draw, to float32
@@ -398,7 +433,9 @@ def test_an_engine_that_dies_mid_run_is_one_error_line_and_the_run_resumes_after
     served = Engine(engine_env, tmp_path / "engine.log").start()
     try:
         root = tmp_path / "crash"
-        args = [*ENGINE_SETTINGS, f"sampling.vllm_url={served.url}", "run.iterations=2", *SMALL_RUN]
+        # three iterations: the engine dies after iteration 0's update, and iteration 1's sample may be quick
+        # enough to finish before it does, but iteration 2's cannot
+        args = [*ENGINE_SETTINGS, f"sampling.vllm_url={served.url}", "run.iterations=3", *SMALL_RUN]
         args += [f"run.runs_dir={tmp_path}", "run.run_id=crash", "logging.progress=false"]
         proc = subprocess.Popen(
             [*CLI, "run", *(a for s in args for a in ("--set", s))],
@@ -410,7 +447,7 @@ def test_an_engine_that_dies_mid_run_is_one_error_line_and_the_run_resumes_after
         deadline = time.monotonic() + 300
         while not _recorded(root, "0/train_step"):  # the engine dies once iteration 0 has trained
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.5)
+            time.sleep(0.05)
         served.stop()
         out, err = proc.communicate(timeout=600)
         assert proc.returncode != 0

@@ -33,6 +33,25 @@ def _export(policy, folder):
     return adapter_name("run", 0, folder / PEFT_ADAPTER_FILE)
 
 
+def test_every_prompt_of_a_call_draws_from_its_own_random_stream(stand_in, tiny_policy):
+    # Bug class engine-seed-shared-across-prompts (docs/bug-classes.md): vLLM seeds every prompt of one request with
+    # the request's seed, so one request of several prompts draws the k-th completion of each from the same stream.
+    # The same prompt twice in one call must not come back as the same completions twice.
+    client = VllmSampler("http://testserver", http=stand_in)
+    prompt = format_prompt_ids(tiny_policy.tokenizer, PROMPTS[1], None)
+    eot, suppressed = tiny_policy.end_of_turn_ids, tiny_policy.distribution.suppressed_ids
+    drawn = client.sample(_base(stand_in), [prompt, prompt], 4, 12, 1.0, 5, eot, suppressed)
+    first, second = ([c.completion_ids for c in drawn if c.prompt_index == p] for p in (0, 1))
+    assert first != second, first
+    again = client.sample(_base(stand_in), [prompt, prompt], 4, 12, 1.0, 5, eot, suppressed)
+    assert [c.completion_ids for c in again] == [c.completion_ids for c in drawn]  # and a call is reproducible
+
+
+def _base(stand_in) -> str:
+    """The base model's name as the stand-in serves it."""
+    return stand_in.get("/v1/models").json()["data"][0]["id"]
+
+
 def test_completions_fill_the_rollouts_contract_with_the_adapters_logprobs(stand_in, tiny_policy, tmp_path):
     name = _export(tiny_policy, tmp_path / "adapter")
     client = VllmSampler("http://testserver", http=stand_in)

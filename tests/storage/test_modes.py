@@ -100,3 +100,29 @@ def test_self_play_is_read_by_the_defense_record_alone():
                 if re.search(r"\w\.defense\.self_play\b", line) and path.name != "modes.py":
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, found
+
+
+ENGINE = ["sampling.backend=vllm", "sampling.vllm_url=http://127.0.0.1:8100"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "overrides", "why"),
+    [
+        ("attack", ENGINE, None),
+        ("attack", [*ENGINE, "dialogue.turns=3"], None),
+        ("defense", [*ENGINE, "defense.self_play=true", "defense.prompts_per_goal=2"], None),
+        ("attack", [], "the in-process sampler draws with the trainer's own weights"),
+        ("defense", [], "the in-process sampler draws with the trainer's own weights"),
+        ("attack", [*ENGINE, "runtime.task_runner=ray"], "the sample stage's shards run on Ray"),
+        ("sft", [], "it samples nothing"),
+    ],
+)
+def test_one_step_off_policy_where_the_run_can_overlap_and_else_synchronous_with_the_reason(mode, overrides, why):
+    cfg = load_config(None, ["training.max_staleness=1", *overrides], mode=mode)
+    steps, line = mode_of(cfg).staleness(cfg)
+    if why is None:
+        assert (steps, line) == (1, None)
+    else:
+        assert steps == 0 and line.startswith(f"training.max_staleness=1: {mode} runs synchronously: ") and why in line
+    synchronous = load_config(None, overrides, mode=mode)
+    assert mode_of(synchronous).staleness(synchronous) == (0, None)  # the default asks for nothing else

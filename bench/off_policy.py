@@ -1,0 +1,238 @@
+"""Synchronous against one step off-policy (training.max_staleness 0 vs 1), side by side in one run: iterations per
+second of the Prefect pipeline sampling on the real vLLM engine, and the time each side waits.
+
+The engine (`redteam-grpo serve-sampler`, vLLM's CPU build in bfloat16) is pinned to CPU core 0, the run's process
+(score, advantage, train step, checkpoint) to core 1, one thread each, so the two sides compete for nothing but what
+the pipeline makes them wait for. Two models: a random-weight Qwen3 of hidden 512 and 8 layers (the bench/peer_trl.py
+work: 4 prompts x G 8 x 32 tokens, LoRA r16), and the embedded default. The first two iterations are left out
+(warm-up; one step off-policy draws both with the initial adapter).
+
+    python bench/off_policy.py [--models 512x8,embedded] [--iterations 8]
+
+Per iteration, from the stages' own start and end: `sample` (the engine's busy time), `train` (score + advantage +
+train step + checkpoint: the trainer's), and the waits: the engine idles while no sample stage runs; the trainer waits
+for the rollouts it needs (synchronous: the whole sample stage; off-policy: the part of the next sample stage that
+outlasts the update beside it). Target: off-policy / synchronous iterations per second >= 1.3 at 512x8.
+
+The projection is arithmetic on stage times, labelled as such: synchronous, the sum of the stages; one step
+off-policy, score + advantage + max(sample, train step + checkpoint), the engine and the trainer on devices of their
+own, as on this CPU. It is printed for this run's measured stage times (set beside the measured speed-up, it tells
+how well the pipeline realises the overlap) and for bench/README.md section 8's projected (not measured) H100 stage
+times of the shipped attack config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_CORE, TRAINER_CORE = 0, 1
+TRAINER_STAGES = ("score", "advantage", "train_step", "checkpoint")
+
+
+def start_pinned_engine(engine_env: Path, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """serve-sampler on `model` in bfloat16, its process tree on ENGINE_CORE with one OpenMP thread bound there."""
+    import httpx
+    from gpu_sampling import _free_port
+
+    port = _free_port()
+    command = [sys.executable, "-m", "redteam_grpo.cli.main", "serve-sampler", "--vllm", str(engine_env)]
+    command += ["--port", str(port), "--kv-cache-gib", "2", "--set", f"model.policy={model}"]
+    command += ["--set", "model.dtype=bfloat16"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=ROOT,
+        env=env,
+        preexec_fn=lambda: os.sched_setaffinity(0, {ENGINE_CORE}),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the engine stopped: see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"the engine did not answer in 10 minutes: see {log}")
+
+
+def child(iterations: int, overrides: list[str]) -> dict:
+    """One run in this process (pinned to TRAINER_CORE); each stage's (iteration, start, end) and each iteration's
+    start, from wrappers around the stages the iteration flow runs (the sample stage ahead included)."""
+    from redteam_grpo.flows import attack, iteration
+
+    os.sched_setaffinity(0, {TRAINER_CORE})
+    spans: list[tuple[str, int, float, float]] = []
+    starts: list[float] = []
+
+    def timed(name, run):
+        def stage(run_dir, number):
+            began = time.perf_counter()
+            try:
+                return run(run_dir, number)
+            finally:
+                spans.append((name, number, began, time.perf_counter()))
+
+        return stage
+
+    for name in ("sample", *TRAINER_STAGES):
+        iteration.STAGE_TASKS[name] = timed(name, iteration.STAGE_TASKS[name])
+    body = iteration.run_iteration
+
+    def marked(run_dir, run_id, number):
+        starts.append(time.perf_counter())
+        return body(run_dir, run_id, number)
+
+    iteration.iteration_task.fn = marked
+    with tempfile.TemporaryDirectory() as runs:
+        attack.attack_run(
+            overrides=[
+                *overrides,
+                f"run.iterations={iterations}",
+                f"run.runs_dir={runs}",
+                "run.run_id=bench",
+                "run.early_stop_reward=null",
+                "run.early_stop_repetition=null",
+            ]
+        )
+    return {"starts": starts, "end": time.perf_counter(), "spans": spans}
+
+
+def summary(result: dict, warmup: int = 2) -> dict[str, float]:
+    """Seconds per iteration after `warmup`: wall, each stage's, and each side's wait."""
+    starts, end = result["starts"], result["end"]
+    begin, n = starts[warmup], len(starts) - warmup
+    spans = [(name, i, a, b) for name, i, a, b in result["spans"] if a >= begin]
+    stage = {name: sum(b - a for s, _, a, b in spans if s == name) / n for name in ("sample", *TRAINER_STAGES)}
+    wall = (end - begin) / n
+    train = sum(stage[name] for name in TRAINER_STAGES)
+    return {"wall": wall, **stage, "engine waits": wall - stage["sample"], "trainer waits": wall - train}
+
+
+def projected(stage: dict[str, float]) -> tuple[float, float]:
+    """Seconds per iteration synchronous and one step off-policy, from stage times, with the engine and the trainer on
+    devices of their own: off-policy, iteration i + 1's sample runs beside iteration i's train step and checkpoint."""
+    synchronous = stage["sample"] + sum(stage[name] for name in TRAINER_STAGES)
+    beside = max(stage["sample"], stage["train_step"] + stage["checkpoint"])
+    return synchronous, stage["score"] + stage["advantage"] + beside
+
+
+# bench/README.md section 8's projection (not a measurement) of one iteration of the shipped attack config on one H100
+# at 40 % MFU, in seconds: sampling 4-6.5 (the middle), score 14.0, train step 13.3, checkpoint and orchestration 1.5
+H100_PROJECTED = {"sample": 5.25, "score": 14.0, "advantage": 0.0, "train_step": 13.3, "checkpoint": 1.5}
+
+
+def run_child(iterations: int, overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as home:
+        env = {
+            **os.environ,
+            "PREFECT_HOME": home,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        env.pop("PREFECT_API_URL", None)
+        args = ["--child", json.dumps({"iterations": iterations, "overrides": overrides})]
+        result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"the run failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="512x8,embedded", help="HIDDENxLAYERS (a random Qwen3) or embedded")
+    parser.add_argument("--iterations", type=int, default=8, help="iterations per run (the first two are warm-up)")
+    parser.add_argument("--engine", default=str(ROOT / ".vllm"), help="the engine's environment (install-sampler)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import logging
+
+        import torch
+
+        torch.set_num_threads(1)
+        logging.disable(logging.WARNING)
+        spec = json.loads(args.child)
+        print(json.dumps(child(spec["iterations"], spec["overrides"])))
+        return
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("this benchmark pins the engine and the trainer to a core each: it needs 2 CPU cores")
+
+    from peer_trl import PROMPTS, build_model, ours_overrides
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    table = Table(title="s / iteration, engine on core 0, trainer on core 1, one thread each (after 2 warm-up)")
+    columns = ("wall", "sample", "score", "advantage", "train_step", "checkpoint", "engine waits", "trainer waits")
+    for column in ("model", "staleness", *columns, "speed-up"):
+        table.add_column(column, justify="right")
+    projections = Table(title="arithmetic on stage times, engine and trainer on devices of their own: s / iteration")
+    for column in ("stage times", "synchronous", "one step off-policy", "speed-up"):
+        projections.add_column(column, justify="right")
+    with tempfile.TemporaryDirectory() as work:
+        prompt_file = Path(work) / "prompts.jsonl"
+        prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+        for name in args.models.split(","):
+            if name == "embedded":
+                model, overrides = "embedded:tiny-qwen3", []
+            else:
+                hidden, layers = (int(x) for x in name.split("x"))
+                folder = Path(work) / f"qwen3-{name}"
+                build_model(folder, hidden, layers)
+                model, overrides = str(folder), [*ours_overrides(folder), f"data.source={prompt_file}"]
+            with console.status(f"{name}: starting the engine on core {ENGINE_CORE} ..."):
+                engine, url = start_pinned_engine(Path(args.engine), model, Path(work) / f"engine-{name}.log")
+            try:
+                engine_settings = ["model.dtype=bfloat16", "sampling.backend=vllm", f"sampling.vllm_url={url}"]
+                rows = {}
+                for staleness in (0, 1):
+                    with console.status(f"{name}: {args.iterations} iterations at staleness {staleness} ..."):
+                        result = run_child(
+                            args.iterations, [*overrides, *engine_settings, f"training.max_staleness={staleness}"]
+                        )
+                    rows[staleness] = summary(result)
+            finally:
+                os.killpg(engine.pid, signal.SIGTERM)
+                engine.wait(60)
+            for staleness, row in rows.items():
+                speed_up = rows[0]["wall"] / row["wall"]
+                table.add_row(name, str(staleness), *(f"{row[k]:.2f}" for k in columns), f"{speed_up:.2f}x")
+            synchronous, overlapped = projected(rows[0])
+            projections.add_row(
+                f"{name}, measured here (synchronous run)",
+                f"{synchronous:.2f}",
+                f"{overlapped:.2f}",
+                f"{synchronous / overlapped:.2f}x",
+            )
+    synchronous, overlapped = projected(H100_PROJECTED)
+    projections.add_row(
+        "GPU: bench/README.md 8's H100 projection (not measured)",
+        f"{synchronous:.1f}",
+        f"{overlapped:.1f}",
+        f"{synchronous / overlapped:.2f}x",
+    )
+    console.print(table)
+    console.print(projections)
+
+
+if __name__ == "__main__":
+    main()
