@@ -8,6 +8,7 @@ work: 4 prompts x G 8 x 32 tokens, LoRA r16), and the embedded default. The firs
 (warm-up; one step off-policy draws both with the initial adapter).
 
     python bench/off_policy.py [--models 512x8,embedded] [--iterations 8]
+    python bench/off_policy.py --parity [--seeds 0,1,2] [--iterations 30]     # learning parity, see below
 
 Per iteration, from the stages' own start and end: `sample` (the engine's busy time), `train` (score + advantage +
 train step + checkpoint: the trainer's), and the waits: the engine idles while no sample stage runs; the trainer waits
@@ -19,6 +20,10 @@ off-policy, score + advantage + max(sample, train step + checkpoint), the engine
 own, as on this CPU. It is printed for this run's measured stage times (set beside the measured speed-up, it tells
 how well the pipeline realises the overlap) and for bench/README.md section 8's projected (not measured) H100 stage
 times of the shipped attack config.
+
+--parity: learning parity on the embedded default (bfloat16, on the engine), per seed: synchronous, one step
+off-policy, and a control that trains the stale batches without the correction (every factor 1); the rise of each
+(the last 5 iterations' mean reward less the first 5's, as tests/flows/test_learning.py).
 """
 
 from __future__ import annotations
@@ -72,12 +77,23 @@ def start_pinned_engine(engine_env: Path, model: str, log: Path) -> tuple[subpro
     raise SystemExit(f"the engine did not answer in 10 minutes: see {log}")
 
 
-def child(iterations: int, overrides: list[str]) -> dict:
+def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> dict:
     """One run in this process (pinned to TRAINER_CORE); each stage's (iteration, start, end) and each iteration's
-    start, from wrappers around the stages the iteration flow runs (the sample stage ahead included)."""
-    from redteam_grpo.flows import attack, iteration
+    start, from wrappers around the stages the iteration flow runs (the sample stage ahead included), and each
+    iteration's mean reward. `uncorrected`: the control, every correction factor 1 (the stale batch trained as if
+    on-policy), patched here: no config asks for it."""
+    from redteam_grpo.flows import attack
+    from redteam_grpo.flows import iteration as flow
+    from redteam_grpo.storage.rundir import RunDir
+    from redteam_grpo.storage.stages import TRAIN_STEP
 
     os.sched_setaffinity(0, {TRAINER_CORE})
+    if uncorrected:
+        import torch
+
+        from redteam_grpo.core.training import train
+
+        train.mismatch_weights = lambda old, sample, mask, *rest: (torch.ones_like(old), torch.zeros_like(mask))
     spans: list[tuple[str, int, float, float]] = []
     starts: list[float] = []
 
@@ -92,14 +108,14 @@ def child(iterations: int, overrides: list[str]) -> dict:
         return stage
 
     for name in ("sample", *TRAINER_STAGES):
-        iteration.STAGE_TASKS[name] = timed(name, iteration.STAGE_TASKS[name])
-    body = iteration.run_iteration
+        flow.STAGE_TASKS[name] = timed(name, flow.STAGE_TASKS[name])
+    body = flow.run_iteration
 
-    def marked(run_dir, run_id, number):
+    def marked(run_dir, run_id, iteration):  # the parameter names of the task run's name
         starts.append(time.perf_counter())
-        return body(run_dir, run_id, number)
+        return body(run_dir, run_id, iteration)
 
-    iteration.iteration_task.fn = marked
+    flow.iteration_task.fn = marked
     with tempfile.TemporaryDirectory() as runs:
         attack.attack_run(
             overrides=[
@@ -111,7 +127,10 @@ def child(iterations: int, overrides: list[str]) -> dict:
                 "run.early_stop_repetition=null",
             ]
         )
-    return {"starts": starts, "end": time.perf_counter(), "spans": spans}
+        end = time.perf_counter()
+        run = RunDir.open(Path(runs) / "bench")
+        rewards = [run.read(TRAIN_STEP, i).column("reward_mean")[0].as_py() for i in range(iterations)]
+    return {"starts": starts, "end": end, "spans": spans, "rewards": rewards}
 
 
 def summary(result: dict, warmup: int = 2) -> dict[str, float]:
@@ -138,7 +157,7 @@ def projected(stage: dict[str, float]) -> tuple[float, float]:
 H100_PROJECTED = {"sample": 5.25, "score": 14.0, "advantage": 0.0, "train_step": 13.3, "checkpoint": 1.5}
 
 
-def run_child(iterations: int, overrides: list[str]) -> dict:
+def run_child(iterations: int, overrides: list[str], uncorrected: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as home:
         env = {
             **os.environ,
@@ -149,11 +168,58 @@ def run_child(iterations: int, overrides: list[str]) -> dict:
             "MKL_NUM_THREADS": "1",
         }
         env.pop("PREFECT_API_URL", None)
-        args = ["--child", json.dumps({"iterations": iterations, "overrides": overrides})]
+        spec = {"iterations": iterations, "overrides": overrides, "uncorrected": uncorrected}
+        args = ["--child", json.dumps(spec)]
         result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def rise(rewards: list[float]) -> float:
+    """The last 5 iterations' mean reward less the first 5's (tests/flows/test_learning.py)."""
+    return sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
+
+
+KINDS = {"synchronous": (0, False), "off-policy": (1, False), "uncorrected": (1, True)}  # staleness, uncorrected
+
+
+def parity(args) -> None:
+    """The embedded default on the engine for `--iterations` (30 with --parity unless given) per seed: synchronous,
+    one step off-policy, and one step off-policy without the correction (the control); each one's rise."""
+    from rich.console import Console
+    from rich.table import Table
+
+    iterations = args.iterations if args.iterations != 8 else 30
+    seeds = [int(s) for s in args.seeds.split(",")]
+    console = Console()
+    kinds = {kind: KINDS[kind] for kind in args.kinds.split(",")}
+    rises: dict[str, list[float]] = {kind: [] for kind in kinds}
+    ends: dict[str, list[float]] = {kind: [] for kind in kinds}
+    with tempfile.TemporaryDirectory() as work:
+        with console.status("starting the engine ..."):
+            engine, url = start_pinned_engine(Path(args.engine), "embedded:tiny-qwen3", Path(work) / "engine.log")
+        try:
+            for seed in seeds:
+                for kind, (staleness, uncorrected) in kinds.items():
+                    overrides = ["model.dtype=bfloat16", "sampling.backend=vllm", f"sampling.vllm_url={url}"]
+                    overrides += [f"training.max_staleness={staleness}", f"run.seed={seed}"]
+                    with console.status(f"seed {seed}: {kind}, {iterations} iterations ..."):
+                        result = run_child(iterations, overrides, uncorrected)
+                    rises[kind].append(rise(result["rewards"]))
+                    ends[kind].append(sum(result["rewards"][-5:]) / 5)
+                    console.print(f"seed {seed} {kind}: rewards " + " ".join(f"{r:.2f}" for r in result["rewards"]))
+        finally:
+            os.killpg(engine.pid, signal.SIGTERM)
+            engine.wait(60)
+    table = Table(title=f"reward rise (last 5 iterations' mean - first 5's), embedded default, {iterations} iterations")
+    for column in ("run", *(f"seed {s}" for s in seeds), "mean", "spread", "last 5 iterations' reward: mean"):
+        table.add_column(column, justify="right")
+    for kind, values in rises.items():
+        spread = f"{min(values):.3f} .. {max(values):.3f}"
+        end = sum(ends[kind]) / len(ends[kind])
+        table.add_row(kind, *(f"{v:.3f}" for v in values), f"{sum(values) / len(values):.3f}", spread, f"{end:.3f}")
+    console.print(table)
 
 
 def main() -> None:
@@ -161,6 +227,9 @@ def main() -> None:
     parser.add_argument("--models", default="512x8,embedded", help="HIDDENxLAYERS (a random Qwen3) or embedded")
     parser.add_argument("--iterations", type=int, default=8, help="iterations per run (the first two are warm-up)")
     parser.add_argument("--engine", default=str(ROOT / ".vllm"), help="the engine's environment (install-sampler)")
+    parser.add_argument("--parity", action="store_true", help="learning parity on the embedded default instead")
+    parser.add_argument("--seeds", default="0,1,2", help="--parity: the run seeds")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"--parity: which of {', '.join(KINDS)}")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -171,10 +240,13 @@ def main() -> None:
         torch.set_num_threads(1)
         logging.disable(logging.WARNING)
         spec = json.loads(args.child)
-        print(json.dumps(child(spec["iterations"], spec["overrides"])))
+        print(json.dumps(child(spec["iterations"], spec["overrides"], spec["uncorrected"])))
         return
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("this benchmark pins the engine and the trainer to a core each: it needs 2 CPU cores")
+    if args.parity:
+        parity(args)
+        return
 
     from peer_trl import PROMPTS, build_model, ours_overrides
     from rich.console import Console
@@ -183,7 +255,8 @@ def main() -> None:
     console = Console(width=max(Console().width, 120))
     table = Table(title="s / iteration, engine on core 0, trainer on core 1, one thread each (after 2 warm-up)")
     columns = ("wall", "sample", "score", "advantage", "train_step", "checkpoint", "engine waits", "trainer waits")
-    for column in ("model", "staleness", *columns, "speed-up"):
+    labels = ("wall", "sample", "score", "adv.", "train", "ckpt", "engine waits", "trainer waits")
+    for column in ("model", "staleness", *labels, "speed-up"):
         table.add_column(column, justify="right")
     projections = Table(title="arithmetic on stage times, engine and trainer on devices of their own: s / iteration")
     for column in ("stage times", "synchronous", "one step off-policy", "speed-up"):
