@@ -40,8 +40,9 @@ def _free_port() -> int:
 
 
 def start_engine(
-    folder: Path, model: Path, dtype: str, log: Path, kv_cache_gib: float = 4
+    folder: Path, model: Path | str, dtype: str, log: Path, kv_cache_gib: float = 4, env=None, preexec_fn=None
 ) -> tuple[subprocess.Popen, str]:
+    """serve-sampler on `model`, once it answers /health; `env` and `preexec_fn` for its process (a pinned core)."""
     import httpx
 
     port = _free_port()
@@ -56,7 +57,15 @@ def start_engine(
         "--set",
         f"model.dtype={dtype}",
     ]
-    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        command,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=ROOT,
+        env=env,
+        preexec_fn=preexec_fn,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -46,35 +46,11 @@ TRAINER_STAGES = ("score", "advantage", "train_step", "checkpoint")
 
 def start_pinned_engine(engine_env: Path, model: str, log: Path) -> tuple[subprocess.Popen, str]:
     """serve-sampler on `model` in bfloat16, its process tree on ENGINE_CORE with one OpenMP thread bound there."""
-    import httpx
-    from gpu_sampling import _free_port
+    from gpu_sampling import start_engine
 
-    port = _free_port()
-    command = [sys.executable, "-m", "redteam_grpo.cli.main", "serve-sampler", "--vllm", str(engine_env)]
-    command += ["--port", str(port), "--kv-cache-gib", "2", "--set", f"model.policy={model}"]
-    command += ["--set", "model.dtype=bfloat16"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(ENGINE_CORE), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        command,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=ROOT,
-        env=env,
-        preexec_fn=lambda: os.sched_setaffinity(0, {ENGINE_CORE}),
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the engine stopped: see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the engine did not answer in 10 minutes: see {log}")
+    pin = lambda: os.sched_setaffinity(0, {ENGINE_CORE})  # noqa: E731
+    return start_engine(engine_env, model, "bfloat16", log, kv_cache_gib=2, env=env, preexec_fn=pin)
 
 
 def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> dict:
@@ -82,6 +58,8 @@ def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> d
     start, from wrappers around the stages the iteration flow runs (the sample stage ahead included), and each
     iteration's mean reward. `uncorrected`: the control, every correction factor 1 (the stale batch trained as if
     on-policy), patched here: no config asks for it."""
+    from orchestration import bench_run
+
     from redteam_grpo.flows import attack
     from redteam_grpo.flows import iteration as flow
     from redteam_grpo.storage.rundir import RunDir
@@ -117,16 +95,7 @@ def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> d
 
     flow.iteration_task.fn = marked
     with tempfile.TemporaryDirectory() as runs:
-        attack.attack_run(
-            overrides=[
-                *overrides,
-                f"run.iterations={iterations}",
-                f"run.runs_dir={runs}",
-                "run.run_id=bench",
-                "run.early_stop_reward=null",
-                "run.early_stop_repetition=null",
-            ]
-        )
+        attack.attack_run(overrides=[*overrides, *bench_run(iterations, runs)])
         end = time.perf_counter()
         run = RunDir.open(Path(runs) / "bench")
         rewards = [run.read(TRAIN_STEP, i).column("reward_mean")[0].as_py() for i in range(iterations)]
@@ -158,19 +127,12 @@ H100_PROJECTED = {"sample": 5.25, "score": 14.0, "advantage": 0.0, "train_step":
 
 
 def run_child(iterations: int, overrides: list[str], uncorrected: bool = False) -> dict:
+    from peer_trl import child_env
+
     with tempfile.TemporaryDirectory() as home:
-        env = {
-            **os.environ,
-            "PREFECT_HOME": home,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "1",
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        env.pop("PREFECT_API_URL", None)
         spec = {"iterations": iterations, "overrides": overrides, "uncorrected": uncorrected}
-        args = ["--child", json.dumps(spec)]
-        result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+        command = [sys.executable, __file__, "--child", json.dumps(spec)]
+        result = subprocess.run(command, capture_output=True, text=True, env=child_env(home))
     if result.returncode != 0:
         raise SystemExit(f"the run failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -88,6 +88,18 @@ def per_iteration(starts: list[float], end: float) -> list[float]:
     return [bounds[i + 1] - bounds[i] for i in range(1, len(starts))]
 
 
+def bench_run(iterations: int, runs_dir: str) -> list[str]:
+    """The overrides of a benchmark's run: `iterations` of them, every one run (no early stop, as in the plain loop),
+    as RUNS_DIR/bench."""
+    return [
+        f"run.iterations={iterations}",
+        f"run.runs_dir={runs_dir}",
+        "run.run_id=bench",
+        "run.early_stop_reward=null",
+        "run.early_stop_repetition=null",
+    ]
+
+
 def child_pipeline(iterations: int, overrides: list[str]) -> dict:
     from redteam_grpo.flows import attack, iteration, runner
     from redteam_grpo.storage import rundir
@@ -124,16 +136,7 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
     # around the iteration's call: creating its task run (or subflow run), its states and its end, less the body
     runner.iteration_runner = lambda runtime: clock.wrap("iteration run", runner_for(runtime))
     with tempfile.TemporaryDirectory() as runs:
-        attack.attack_run(
-            overrides=[
-                *overrides,
-                f"run.iterations={iterations}",
-                f"run.runs_dir={runs}",
-                "run.run_id=bench",
-                "run.early_stop_reward=null",
-                "run.early_stop_repetition=null",  # every iteration runs, as in the plain loop
-            ]
-        )
+        attack.attack_run(overrides=[*overrides, *bench_run(iterations, runs)])
         end = time.perf_counter()
     snapshots.append(dict(clock.seconds))
     # category seconds from the start of iteration 1 to the end, per iteration

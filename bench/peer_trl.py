@@ -181,18 +181,24 @@ def child_trl(folder: Path, steps: int) -> dict:
     return {"step_seconds": steps_s, "phases": phases}
 
 
+def child_env(prefect_home: str) -> dict[str, str]:
+    """A benchmark child's environment: a Prefect home of its own (its ephemeral API server), one compute thread."""
+    env = {
+        **os.environ,
+        "PREFECT_HOME": prefect_home,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
 def run_child(*args: str) -> dict:
     with tempfile.TemporaryDirectory() as home:
-        env = {
-            **os.environ,
-            "PREFECT_HOME": home,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "DO_NOT_TRACK": "1",
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        env.pop("PREFECT_API_URL", None)
-        result = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, env=env)
+        command = [sys.executable, __file__, "--child", *args]
+        result = subprocess.run(command, capture_output=True, text=True, env=child_env(home))
     if result.returncode != 0:
         raise SystemExit(f"{args[0]} failed:\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

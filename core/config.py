@@ -184,7 +184,9 @@ class TrainingConfig(_Section):
     draws with the trainer's own weights, and a run that cannot overlap runs synchronously, saying why. A batch drawn
     by older weights is trained decoupled (as AReaL): its ratio is taken against the trainer's logprobs at the step
     and each token weighted by training.mismatch_correction's factor of p_trainer / p_sampler (token_truncate by
-    default), the staleness correction and the engine's at once; sampler_kl then reports KL(behaviour ‖ current) and
+    default: one update's staleness moves that factor little, so a cap of 2 rarely acts and no token is dropped,
+    where a mask would drop whole sequences of a batch that is stale throughout), the staleness correction and the
+    engine's at once; sampler_kl then reports KL(behaviour ‖ current) and
     the first-update check, which holds the sampler to the trainer's own weights, runs on fresh batches alone.
     Iteration i + 1's draw with the adapter after i - 1 is fixed by the iteration, so a resume draws the same."""
     dynamic_sampling: bool = False

@@ -268,6 +268,12 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, dep
     assert set(rows.policy) == {"base", "defended"} and set(rows.set) == {"heldout_goals", "prompt_file", "benign"}
 
 
+def _worker(env, log, *args: str) -> subprocess.Popen:
+    """A process worker of the pool in its own process group, its output in `log`."""
+    command = [*PREFECT, "worker", "start", "--pool", "redteam-grpo", *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def _logged(api, flow_run: str, text: str) -> bool:
     """Whether the flow run sent a log line containing `text` to the API."""
     body = {"logs": {"flow_run_id": {"any_": [flow_run]}}, "limit": 200}
@@ -298,14 +304,7 @@ def test_four_runs_submitted_at_once_queue_on_a_gpu_slot_limit_of_one_and_each_f
         for k in range(4)
     ]
     log = (tmp_path / "worker.log").open("w")
-    worker = subprocess.Popen(  # one worker takes all four at once (--limit 4)
-        [*PREFECT, "worker", "start", "--pool", "redteam-grpo", "--run-once", "--limit", "4"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    worker = _worker(env, log, "--run-once", "--limit", "4")  # one worker takes all four at once
     try:
         deadline = time.monotonic() + 300
         waiting: set[str] = set()
@@ -371,14 +370,7 @@ def test_a_flow_run_whose_processes_are_killed_is_marked_crashed_and_its_run_say
         {"overrides": [*SMALL, "run.iterations=500", f"run.runs_dir={runs}", "run.run_id=killed"]},
     )
     log = (tmp_path / "worker.log").open("w")
-    worker = subprocess.Popen(
-        [*PREFECT, "worker", "start", "--pool", "redteam-grpo", "--limit", "1"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    worker = _worker(env, log, "--limit", "1")
     try:
         deadline = time.monotonic() + 300
         while not (
