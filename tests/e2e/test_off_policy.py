@@ -139,9 +139,11 @@ def _same_adapters(left: RunDir, right: RunDir) -> None:
             assert sha256_file(files[0]) == sha256_file(files[1]), f"{name} of iteration {iteration} differs"
 
 
-def test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte(straight, stand_in, tmp_path):
-    # Bug class resume-draws-with-the-wrong-version (docs/bug-classes.md): a resume draws iteration i + 1 with the
-    # adapter after i - 1, as the uninterrupted run did, not with the newest one it finds sealed.
+@pytest.mark.parametrize("kill_at", ["1/advantage", "2/sample", "2/score"])
+def test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte(straight, stand_in, tmp_path, kill_at):
+    # Killed once iteration 1's advantage is recorded (the sample of iteration 2 is about to start beside its update),
+    # once iteration 2's rollouts are (drawn beside it), once iteration 2's scores are: each resume ends with the
+    # uninterrupted run's adapters and optimizer states.
     args = [*_overrides(stand_in, tmp_path, "killed"), "logging.progress=false"]
     log_path = tmp_path / "killed.log"
     with log_path.open("w") as log:
@@ -154,14 +156,19 @@ def test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte(
         )
     root = tmp_path / "killed"
     try:
-        _wait_until_recorded(proc, root, "2/sample", log_path)  # drawn beside iteration 1's update
+        _wait_until_recorded(proc, root, kill_at, log_path)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(60)
     attack.attack_run(resume=str(root))
     _same_adapters(RunDir.open(root), straight)
 
-    # The kill at the one moment the overlap makes: iteration 1 sealed, iteration 2's rollouts not yet recorded.
+
+def test_a_resume_with_iteration_1_sealed_and_no_rollouts_of_2_draws_them_with_the_adapter_after_0(straight, tmp_path):
+    # Bug class resume-draws-with-the-wrong-version (docs/bug-classes.md): the one state the overlap makes that a
+    # synchronous run never leaves, iteration i sealed and i + 1 not sampled, made exactly by a redo of 2/sample. The
+    # resume draws iteration 2 with the adapter after iteration 0, as the uninterrupted run did, not with the newest
+    # one it finds sealed.
     copy = tmp_path / "redone"
     shutil.copytree(straight.root, copy)
     attack.attack_run(resume=str(copy), redo="2/sample")
