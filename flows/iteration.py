@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 from collections.abc import Callable
 
 from prefect import flow, task
@@ -126,7 +127,15 @@ def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]
             ahead.thread.join()
         raise
     if ahead is not None:
+        waited = time.perf_counter()
         ahead.join()
+        # the engine's share of the wall time: where this grows, sampling (not the update) bounds the iteration
+        log.info(
+            "iteration %d: waited %.2f s for iteration %d's rollouts",
+            iteration,
+            time.perf_counter() - waited,
+            iteration + 1,
+        )
     for learner in mode.learners(cfg)[1:]:  # self-play: the attacker's row, before the policy's
         log.info(f"{learner.role} " + mode.describe(iteration, res.run.read(learner.update, iteration).to_pylist()[0]))
     metrics = res.run.read(mode.metrics, iteration).to_pylist()[0]
