@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from redteam_grpo.core.config import Config, ConfigError, config_differences, validate_config
 from redteam_grpo.core.names import is_component, is_relative_name
+from redteam_grpo.core.training.staleness import INITIAL_VERSION
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import TMP_PREFIX, sha256_file, write_atomic, write_json_atomic
 from redteam_grpo.storage.location import is_remote, location, version_of
@@ -95,7 +96,7 @@ FORMAT_CHANGES = {
         "min_new_tokens, repetition_penalty and backend removed)"
     ),
 }
-INIT_VERSION = -1  # the policy version (and checkpoint) before the first update
+INIT_VERSION = INITIAL_VERSION  # the policy version (and checkpoint) before the first update
 SAMPLER_FOLDER = "sampler"  # sampling.backend=vllm: adapters exported for the server; derived from the checkpoints
 OWNER_FILE = "owner.lock"  # held by the process that runs the stages (storage/ownership.py)
 DERIVED_FILE = "derived.lock"  # held by what writes evaluations, exports and reports into the run

@@ -8,7 +8,7 @@ sampling.backend=vllm means the engine there as in the stages.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -45,38 +45,45 @@ class InProcessSampler:
             return sample_completions(self.policy, prompt_ids, group_size, max_new_tokens, self.batch_size, seed)
 
 
-def export_adapter(policy: Policy, role: str, folder: Path) -> Path:
-    """`role`'s adapter in PEFT's format in `folder` (written to a staging folder, then swapped in); its weights."""
+def _swapped_in(folder: Path, write: Callable[[Path], None]) -> Path:
+    """`write(staging)` fills a staging folder beside `folder`, which then replaces `folder` whole: the engine never
+    reads a half-written adapter. Returns the adapter's weights file."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    policy.model.save_pretrained(staging, selected_adapters=[role], save_embedding_layers=False)
-    if role != DEFAULT_ROLE:  # PEFT writes any other adapter into a subfolder named after it
-        moved = staging.with_name(staging.name + ".role")
-        shutil.rmtree(moved, ignore_errors=True)
-        (staging / role).rename(moved)
-        shutil.rmtree(staging)
-        moved.rename(staging)
+    write(staging)
     if folder.exists():
         shutil.rmtree(folder)
     staging.rename(folder)
     return folder / PEFT_ADAPTER_FILE
+
+
+def export_adapter(policy: Policy, role: str, folder: Path) -> Path:
+    """`role`'s adapter, as the weights in memory hold it, in PEFT's format in `folder`; its weights."""
+
+    def write(staging: Path) -> None:
+        policy.model.save_pretrained(staging, selected_adapters=[role], save_embedding_layers=False)
+        if role != DEFAULT_ROLE:  # PEFT writes any other adapter into a subfolder named after it
+            moved = staging.with_name(staging.name + ".role")
+            shutil.rmtree(moved, ignore_errors=True)
+            (staging / role).rename(moved)
+            shutil.rmtree(staging)
+            moved.rename(staging)
+
+    return _swapped_in(folder, write)
 
 
 def export_checkpoint_adapter(policy: Policy, role: str, adapter_file: Path, folder: Path) -> Path:
     """`role`'s adapter as a checkpoint holds it (`adapter_file`, PEFT's own key names) in PEFT's format in `folder`,
     without touching the weights in memory: one step off-policy samples with the adapter of an earlier iteration while
-    the update changes those (training.max_staleness). Written to a staging folder, then swapped in; its weights."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    policy.model.peft_config[role].save_pretrained(str(staging))  # the adapter's shape: read, never changed
-    shutil.copyfile(adapter_file, staging / PEFT_ADAPTER_FILE)
-    if folder.exists():
-        shutil.rmtree(folder)
-    staging.rename(folder)
-    return folder / PEFT_ADAPTER_FILE
+    the update changes those (training.max_staleness); its weights."""
+
+    def write(staging: Path) -> None:
+        staging.mkdir()
+        policy.model.peft_config[role].save_pretrained(str(staging))  # the adapter's shape: read, never changed
+        shutil.copyfile(adapter_file, staging / PEFT_ADAPTER_FILE)
+
+    return _swapped_in(folder, write)
 
 
 @dataclass
