@@ -42,6 +42,25 @@ def micro_batches(
     return batches
 
 
+def enable_checkpointing(base) -> None:
+    """Turn on transformers' activation checkpointing (non-reentrant) by the name the installed version has:
+    `activation_checkpointing_enable` since its rename, `gradient_checkpointing_enable` before (5.17 has only that;
+    later versions keep it as a deprecated alias that warns)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_checkpointing(base) -> None:
+    """`enable_checkpointing` undone, by the same version-dependent name."""
+    if hasattr(base, "activation_checkpointing_disable"):
+        base.activation_checkpointing_disable()
+    else:
+        base.gradient_checkpointing_disable()
+
+
 @contextlib.contextmanager
 def checkpointed_layers(model, enabled: bool) -> Iterator[None]:
     """Within the block, the decoder layers of `model` (a transformers model, adapters included) recompute their
@@ -58,7 +77,7 @@ def checkpointed_layers(model, enabled: bool) -> Iterator[None]:
             f"{type(base).__name__} has no layers transformers can checkpoint: "
             "set training.gradient_checkpointing=false"
         )
-    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(base)
     modes = [layer.training for layer in layers]
     for layer in layers:
         layer.training = True
@@ -67,4 +86,4 @@ def checkpointed_layers(model, enabled: bool) -> Iterator[None]:
     finally:
         for layer, mode in zip(layers, modes, strict=True):
             layer.training = mode
-        base.activation_checkpointing_disable()
+        disable_checkpointing(base)

@@ -220,6 +220,48 @@ def test_micro_batches_by_tokens_and_gradient_checkpointing_keep_the_gradient_an
     _assert_same_gradient(grads[1], grads[0], rel=1e-5)
     _assert_same_gradient(grads[2], grads[0], rel=1e-5)
     assert tokens[1] < tokens[0]  # grouped by length: less padding than one micro-batch padded to the longest
+    _assert_every_layer_checkpointed_once_per_micro_batch(tiny_policy, checkpointed)
+
+
+class _Absent:
+    """A class attribute that reads as missing (hasattr is False), as a method a transformers version lacks."""
+
+    def __get__(self, obj, owner):
+        raise AttributeError("absent in this transformers version")
+
+
+def test_gradient_checkpointing_works_with_the_api_transformers_5_17_has(tiny_policy, monkeypatch):
+    """transformers 5.17 (a GPU image's) has only gradient_checkpointing_enable/disable: the rename to
+    activation_checkpointing_* came later, and calling the new name there failed the first checkpointed step."""
+    base_class = type(tiny_policy.model.get_base_model())
+    for name in ("activation_checkpointing_enable", "activation_checkpointing_disable"):
+        monkeypatch.setattr(base_class, name, _Absent())
+    calls = []
+
+    def old_enable(self, gradient_checkpointing_kwargs=None):  # 5.17's name and signature, today's implementation
+        calls.append(("enable", gradient_checkpointing_kwargs))
+        self._activation_checkpointing_enable(gradient_checkpointing_kwargs)
+
+    def old_disable(self):
+        calls.append(("disable", None))
+        self._activation_checkpointing_disable()
+
+    monkeypatch.setattr(base_class, "gradient_checkpointing_enable", old_enable)
+    monkeypatch.setattr(base_class, "gradient_checkpointing_disable", old_disable)
+    import transformers.modeling_utils as modeling_utils
+
+    checkpointed = []
+    checkpoint = modeling_utils.checkpoint
+    monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    _perturb_adapter(tiny_policy)
+    cfg = TrainingConfig(micro_batch_size=4, gradient_checkpointing=True, grad_clip=None)
+    params = tiny_policy.trainable_parameters()
+    policy_gradient_step(tiny_policy, torch.optim.SGD(params, lr=0.0), _batch(tiny_policy), cfg)
+    assert calls == [("enable", {"use_reentrant": False}), ("disable", None)]
+    _assert_every_layer_checkpointed_once_per_micro_batch(tiny_policy, checkpointed)
+
+
+def _assert_every_layer_checkpointed_once_per_micro_batch(tiny_policy, checkpointed: list) -> None:
     layers = tiny_policy.model.get_base_model().config.num_hidden_layers
     assert len(checkpointed) == layers * 3  # every layer of each of the three micro-batches of 4 was checkpointed
     assert not tiny_policy.model.training and not any(m.training for m in tiny_policy.model.modules())
