@@ -493,8 +493,8 @@ BUG_CLASSES = [
     (
         "first-update-check-loosened",
         "core/training/train.py",
-        "bounds = diagnostics.bounds(cfg, policy.compute_dtype, batch.sampler)",
-        "bounds = diagnostics.bounds(cfg.model_copy(update={'first_update_kl_tolerance': 0.05}), policy.compute_dtype, batch.sampler)",
+        "bounds = diagnostics.bounds(cfg, policy.compute_dtype, batch.sampler, policy.device.type)",
+        "bounds = diagnostics.bounds(cfg.model_copy(update={'first_update_kl_tolerance': 0.05}), policy.compute_dtype, batch.sampler, policy.device.type)",
         "tests/core/test_first_update_check.py::test_noise_is_a_third_of_each_bound_and_each_misalignment_three_times_it[trained_deep_folder-1.0]",
     ),
     (

@@ -25,7 +25,8 @@ perturbs the hidden state, and a perturbation dz of the logits moves p by 1/2 Va
 the logits' root-mean-square magnitude)^2 (the logits are rounded once, at the head, relative to their magnitude, and
 two kernels round a wide model's apart more often); each
 gate's bound is its items' mean, at least one eps^2 (32 for the gates of one token per row, whose mean of a few
-heavy-tailed values fluctuates), times 4 for another engine (vLLM: other kernels in every op). Neither term alone
+heavy-tailed values fluctuates), times 4 for another engine (vLLM: other kernels in every op) and for the in-process
+sampler on a CUDA GPU (the same there: `FirstUpdateDiagnostics.bounds`). Neither term alone
 fits: per unit of layers x varentropy the noise measured 0.03 to 0.17 on a trained 8-layer, 128-wide model and 1.4 to
 4.4 on a random 2-layer one of Qwen3-4B's width with spread logits (sd 5), which the logit term carries; on random
 models with small logits the varentropy fits (0.07 to 0.3). The logit term does not grow with the depth: a random
@@ -572,9 +573,14 @@ class FirstUpdateDiagnostics:
             int(corrected_sequences),
         )
 
-    def bounds(self, cfg: TrainingConfig, dtype: torch.dtype, sampler: str) -> dict[str, float]:
-        """Each gate's bound for this batch (NaN where the gate has no item); `sampler`: the engine that drew it."""
-        return {g: self.gates[g].bound(cfg, dtype, sampler != "hf") for g in FIRST_UPDATE_GATES}
+    def bounds(self, cfg: TrainingConfig, dtype: torch.dtype, sampler: str, device_type: str) -> dict[str, float]:
+        """Each gate's bound for this batch (NaN where the gate has no item); `sampler`: the engine that drew it;
+        `device_type`: where the trainer computes. On a CUDA GPU the in-process sampler's cached decode and the
+        trainer's packed forward run other kernels in every op (cuBLAS chooses a GEMM by its shape, attention its
+        backend by mask and length), as another engine does: its bound is another engine's (measured on an H200,
+        bfloat16, a random Qwen3-4B, 64 rows of 256 tokens: the sequence gate at 1.02 of the CPU's bound)."""
+        other_kernels = sampler != "hf" or device_type == "cuda"
+        return {g: self.gates[g].bound(cfg, dtype, other_kernels) for g in FIRST_UPDATE_GATES}
 
     def check(self, bounds: dict[str, float], dtype: torch.dtype, layers: int) -> None:
         """Refuse the batch when the trainer does not see the distribution the tokens were sampled from: a gate's
@@ -719,7 +725,7 @@ def policy_gradient_step(
                     diagnostics = diagnostics.all_reduced(data_parallel)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if diagnostics is not None:
-                bounds = diagnostics.bounds(cfg, policy.compute_dtype, batch.sampler)
+                bounds = diagnostics.bounds(cfg, policy.compute_dtype, batch.sampler, policy.device.type)
                 if batch.staleness == 0:  # a stale batch's sampler_kl is KL(behaviour || current), reported alone
                     diagnostics.check(bounds, policy.compute_dtype, layers)
                 first = diagnostics.row(
