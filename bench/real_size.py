@@ -181,7 +181,9 @@ def stage_windows(manifest: dict, since: float) -> list[tuple[int, str, float, f
 
 
 def stage_rows(run: Path, samples, since: float, weights: int) -> list[dict]:
-    manifest = json.loads((run / "manifest.json").read_text())
+    from redteam_grpo.storage.rundir import RunDir
+
+    manifest = RunDir(run).manifest()  # manifest.json keeps only unsealed iterations' records: every one, put back
     rows = []
     for iteration, stage, start, end in stage_windows(manifest, since):
         inside = [rss for t, rss in samples if start <= t <= end]
