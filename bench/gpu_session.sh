@@ -123,6 +123,9 @@ for mode in attack defense; do
     fi
 done
 
+# every log and figure in one archive, the runs' own logs included (a run cut off by the time limit leaves its
+# progress there only), without the runs' folders (checkpoints: gigabytes)
+tar -czf "$OUT/figures.tgz" -C "$OUT" --exclude='./figures.tgz' --exclude='*/runs' .
 echo
-echo "every figure is in $OUT (summary.txt, *.json, *.log):"
+echo "every figure is in $OUT (summary.txt, *.json, *.log; all of them in figures.tgz):"
 cat "$OUT/summary.txt"
