@@ -23,7 +23,8 @@ squared scale (5.5e-2 here; bench/README.md, section 8).
 What it reports, per iteration and stage: seconds (between the stage's completion and the previous one's, from the
 run's manifest), peak resident memory of the run's process in that window (sampled every 50 ms from /proc), and
 that peak minus the weights' bytes (what the stage added over the weights; the first stage of a process includes
-loading). And the checkpoint's size on disk. The figures go to OUT/real_size.json; the last measured ones are in
+loading); on an NVIDIA GPU, the device's memory in use in that window (NVML, every 200 ms, every process's). And
+the checkpoint's size on disk. The figures go to OUT/real_size.json; the last measured ones are in
 bench/README.md.
 """
 
@@ -135,12 +136,29 @@ def group_rss_bytes(group: int) -> int:
     return total
 
 
+def gpu_memory_reader():
+    """A function that returns GPU 0's memory in use, in bytes, the whole device's (every process's: an engine on the
+    same GPU counts too), or None where no NVIDIA GPU or NVML (nvidia-ml-py) is at hand."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        pynvml.nvmlDeviceGetMemoryInfo(handle)
+    except Exception:  # no NVML library, no driver, no device: no GPU figures, the rest as on a CPU
+        return None
+    return lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+
 def measured(
     command: list[str], log: Path, engine_group: int | None = None
-) -> tuple[int, list[tuple[float, int]], float, int]:
+) -> tuple[int, list[tuple[float, int]], float, int, list[tuple[float, int]]]:
     """Run `command`, sampling its resident memory every 50 ms: (exit status, [(unix time, bytes)], seconds, the
-    engine's peak resident bytes meanwhile (0 without one))."""
+    engine's peak resident bytes meanwhile (0 without one), [(unix time, GPU bytes in use)] every 200 ms where a GPU
+    is at hand, else [])."""
     samples: list[tuple[float, int]] = []
+    gpu_samples: list[tuple[float, int]] = []
+    gpu_used = gpu_memory_reader()
     engine_peak = 0
     started = time.time()
     with log.open("w") as out:
@@ -154,13 +172,15 @@ def measured(
                     samples.append((time.time(), rss))
                 if engine_group is not None and len(samples) % 20 == 0:  # a walk of /proc: once a second
                     engine_peak = max(engine_peak, group_rss_bytes(engine_group))
+                if gpu_used is not None and len(samples) % 4 == 0:
+                    gpu_samples.append((time.time(), gpu_used()))
                 time.sleep(0.05)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         status = process.wait()
         sampler.join()
-    return status, samples, time.time() - started, engine_peak
+    return status, samples, time.time() - started, engine_peak, gpu_samples
 
 
 def stage_windows(manifest: dict, since: float) -> list[tuple[int, str, float, float]]:
@@ -180,25 +200,30 @@ def stage_windows(manifest: dict, since: float) -> list[tuple[int, str, float, f
     return windows
 
 
-def stage_rows(run: Path, samples, since: float, weights: int) -> list[dict]:
+def window_peak(samples: list[tuple[float, int]], start: float, end: float) -> int:
+    """The largest sample inside [start, end]; for a window shorter than the sampling interval, the last before its
+    end (0 without any)."""
+    inside = [value for t, value in samples if start <= t <= end]
+    return max(inside or [value for t, value in samples if t <= end][-1:] or [0])
+
+
+def stage_rows(run: Path, samples, since: float, weights: int, gpu_samples=()) -> list[dict]:
     from redteam_grpo.storage.rundir import RunDir
 
     manifest = RunDir(run).manifest()  # manifest.json keeps only unsealed iterations' records: every one, put back
     rows = []
     for iteration, stage, start, end in stage_windows(manifest, since):
-        inside = [rss for t, rss in samples if start <= t <= end]
-        if not inside:  # a stage shorter than the sampling interval: the last sample before its end
-            inside = [rss for t, rss in samples if t <= end][-1:] or [0]
-        peak = max(inside)
-        rows.append(
-            {
-                "iteration": iteration,
-                "stage": stage,
-                "seconds": round(end - start, 2),
-                "peak_gb": round(peak / 1e9, 2),
-                "added_gb": round((peak - weights) / 1e9, 2),
-            }
-        )
+        peak = window_peak(samples, start, end)
+        row = {
+            "iteration": iteration,
+            "stage": stage,
+            "seconds": round(end - start, 2),
+            "peak_gb": round(peak / 1e9, 2),
+            "added_gb": round((peak - weights) / 1e9, 2),
+        }
+        if gpu_samples:
+            row["gpu_peak_gb"] = round(window_peak(list(gpu_samples), start, end) / 1e9, 2)
+        rows.append(row)
     return rows
 
 
@@ -306,7 +331,7 @@ def run_modes(args, console, results, modes, shrink, cli, weights, weights_judge
             ),
         ):
             since = time.time()
-            status, samples, seconds, engine_peak = measured(
+            status, samples, seconds, engine_peak, gpu_samples = measured(
                 argv, args.out / f"{run_id}-{label}.log", engine.pid if engine is not None else None
             )
             if status != 0:
@@ -314,17 +339,18 @@ def run_modes(args, console, results, modes, shrink, cli, weights, weights_judge
                 raise SystemExit(
                     f"{mode} {label} failed with exit status {status}: see {args.out}/{run_id}-{label}.log"
                 )
-            rows = stage_rows(args.out / "runs" / run_id, samples, since, held)
+            rows = stage_rows(args.out / "runs" / run_id, samples, since, held, gpu_samples)
             peak = max(rss for _, rss in samples)
-            phases.append(
-                {
-                    "phase": label,
-                    "seconds": round(seconds, 1),
-                    "peak_gb": round(peak / 1e9, 2),
-                    "engine_peak_gb": round(engine_peak / 1e9, 2),
-                    "stages": rows,
-                }
-            )
+            phase = {
+                "phase": label,
+                "seconds": round(seconds, 1),
+                "peak_gb": round(peak / 1e9, 2),
+                "engine_peak_gb": round(engine_peak / 1e9, 2),
+                "stages": rows,
+            }
+            if gpu_samples:  # the whole device's memory in use, the engine's too where it shares the GPU
+                phase["gpu_peak_gb"] = round(max(b for _, b in gpu_samples) / 1e9, 2)
+            phases.append(phase)
         checkpoints = sorted((args.out / "runs" / run_id / "checkpoints").glob("iter_*"))
         sizes = {f.name: sum(x.stat().st_size for x in f.iterdir()) for f in checkpoints[-1:]}
         files = {x.name: x.stat().st_size for x in checkpoints[-1].iterdir()}
@@ -338,12 +364,14 @@ def run_modes(args, console, results, modes, shrink, cli, weights, weights_judge
             title=f"{mode}: Qwen3-{args.shape} random, bf16, {args.prompts} prompts x G {args.group} x "
             f"{args.tokens} tokens, weights {held / 1e9:.2f} GB"
         )
-        for column in ("phase", "iteration", "stage", "seconds", "peak GB", "peak / weights", "added GB"):
+        on_gpu = any("gpu_peak_gb" in phase for phase in phases)
+        columns = ["phase", "iteration", "stage", "seconds", "peak GB", "peak / weights", "added GB"]
+        for column in columns + (["GPU GB (device)"] if on_gpu else []):
             table.add_column(column, justify="right")
         for phase in phases:
             for row in phase["stages"]:
                 peak_ratio = row["peak_gb"] * 1e9 / held
-                table.add_row(
+                cells = [
                     phase["phase"],
                     str(row["iteration"]),
                     row["stage"],
@@ -351,7 +379,8 @@ def run_modes(args, console, results, modes, shrink, cli, weights, weights_judge
                     f"{row['peak_gb']:.2f}",
                     f"{peak_ratio:.2f}x",
                     f"{row['added_gb']:+.2f}",
-                )
+                ]
+                table.add_row(*cells, *([f"{row.get('gpu_peak_gb', 0.0):.2f}"] if on_gpu else []))
         console.print(table)
         for name, size in files.items():
             console.print(f"  checkpoint {checkpoints[-1].name}/{name}: {size / 1e6:.1f} MB")
