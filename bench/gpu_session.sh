@@ -11,9 +11,11 @@
 #
 # PYTHON (default: .venv/bin/python where it exists, else python3) must import the project; where it does not,
 # `pip install -e .` installs it; on a machine without network, from WHEELS where that folder exists (the wheels of
-# the dependencies the machine lacks, downloaded elsewhere for its Python and platform: `pip download --no-deps
-# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl NAME==VERSION ...`). The vLLM steps use the engine environment ENGINE (default .vllm, made by
-# `redteam-grpo install-sampler`); where it is missing they are skipped, and the summary says so.
+# the dependencies the machine lacks, downloaded elsewhere for its Python and platform by `python
+# bench/offline_wheels.py .whl --present LIST --leave-out duckdb`, LIST the machine's `pip list --format=freeze`; building
+# the models also needs XDG_CACHE_HOME pointing at a copy of the real tokenizers' cache, tests/real_tokenizers.py).
+# The vLLM steps use the engine environment ENGINE (default .vllm, made by `redteam-grpo install-sampler`); where it
+# is missing they are skipped, and the summary says so.
 set -uo pipefail
 
 OUT=${1:?usage: bash bench/gpu_session.sh OUT [--device cpu]}
