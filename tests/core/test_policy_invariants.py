@@ -190,6 +190,36 @@ def test_sampling_settings_of_the_models_generation_config_do_not_reach_the_draw
     assert stats.first_ratio_abs_dev < 1e-5
 
 
+def test_generate_makes_no_draw_of_its_own_even_where_the_models_config_asks_for_sampling(tiny_policy, monkeypatch):
+    """The sampler draws each token; generate keeps it greedily. A second draw over the vocabulary, generate's
+    softmax and multinomial, cost as much as the sampler's own on a CPU at Qwen3's vocabulary, and a hub model's
+    generation_config.json (Qwen3's: do_sample true, temperature 0.7, top-k 20, top-p 0.8) must not bring it back."""
+    import logging
+    import warnings
+
+    _, plain = _sample(tiny_policy)
+    for config in (tiny_policy.model.generation_config, tiny_policy.model.get_base_model().generation_config):
+        config.update(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    multinomial = torch.multinomial
+    calls = []
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: calls.append(1) or multinomial(*a, **k))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, configured = _sample(tiny_policy)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert calls == []
+    assert [c.completion_ids for c in configured] == [c.completion_ids for c in plain]
+    noise = [str(w.message) for w in caught if "generat" in str(w.message).lower()]
+    noise += [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert noise == []  # nothing said per call about sampling flags a greedy generate ignores
+
+
 def test_sampler_refuses_tokens_it_did_not_draw(tiny_policy, monkeypatch):
     from redteam_grpo.core.rollouts import sampling
 
