@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -167,12 +168,15 @@ def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir
 
 def test_evaluate_shows_cross_attack_success_and_capability_beside_the_judge(run_dir):
     other = "embedded:tiny-qwen3-safe"
-    args = ["evaluate", run_dir, "--prompts", "3", "--samples", "2", "--threshold", "0.01", "--seed", "3"]
+    # threshold 0: every answer that is not a refusal is an adversarial example, whatever the draws, so the other
+    # target has examples to be attacked with (at 0.01 a draw could leave none, and its success rate blank)
+    args = ["evaluate", run_dir, "--prompts", "3", "--samples", "2", "--threshold", "0", "--seed", "3"]
     extras = ["--capability", "lm-eval:embedded_replies", "--capability-limit", "8", "--transfer-to", other]
     code, out = _cli(*args, *extras)
     assert code == 0, out
     assert "judge: embedded:tiny-toxicity (classifier, " in out
-    assert "cross-attack success of the" in out and "capability (lm-evaluation-harness)" in out
+    examples = re.search(r"cross-attack success of the (\d+) adversarial examples", out)
+    assert examples and int(examples.group(1)) > 0 and "capability (lm-evaluation-harness)" in out, out
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
     assert len(lines[other]) == 3  # the other target: its cross-attack success and its over-refusal
     assert len(lines["embedded_replies"]) >= 3 and "Traceback" not in out and "lm_eval" not in out
