@@ -25,6 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+def figures_table(title: str):
+    """A table of figures beside their targets or anchors."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("", "value", "target / anchor"):
+        table.add_column(column, justify="right")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64, help="sequences per update")
@@ -45,7 +55,6 @@ def main() -> None:
     import qwen3_4b
     import torch
     from rich.console import Console
-    from rich.table import Table
 
     from redteam_grpo.core.config import ModelConfig, TrainingConfig
     from redteam_grpo.core.models.policy import load_policy
@@ -105,9 +114,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     title = f"{'tiny' if args.tiny else 'Qwen3-4B'} (N = {n_params / 1e9:.2f} B), {dtype}, LoRA r16, {args.device}"
-    table = Table(title=title)
-    for column in ("", "value", "target / anchor"):
-        table.add_column(column, justify="right")
+    table = figures_table(title)
     shape_text = f"{args.batch} x {args.prompt_tokens + args.completion_tokens}, {args.micro_batch_tokens} per forward"
     table.add_row("update: s / step", f"{step_s:.2f}", shape_text)
     table.add_row("update: tokens / s", f"{tokens_s:,.0f}", "")
@@ -131,9 +138,7 @@ def main() -> None:
     e2e_s = sum(e2e["iteration_seconds"]) / len(e2e["iteration_seconds"])
     e2e_tokens = 64 * args.completion_tokens  # an upper bound: completions that stop early have fewer
 
-    table = Table(title=f"end to end: {title}")
-    for column in ("", "value", "target / anchor"):
-        table.add_column(column, justify="right")
+    table = figures_table(f"end to end: {title}")
     table.add_row("end to end: s / iteration", f"{e2e_s:.2f}", "8 prompts x G 8")
     table.add_row("end to end: completion tokens / s", f"<= {e2e_tokens / e2e_s:,.0f}", ">= 5,000 (NeMo RL 8B: ~1,580)")
     table.add_row("end to end phases, s", json.dumps({k: round(v, 2) for k, v in e2e["phases"].items()}), "")

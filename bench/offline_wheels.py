@@ -22,19 +22,17 @@ import tempfile
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
 ROOT = Path(__file__).resolve().parents[1]
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # What a GPU machine brings for its own driver and CUDA: never replaced by a download made here.
 KEPT_AS_THEY_ARE = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$")
 
 
-def normalized(name: str) -> str:
-    """A distribution's name as pip compares them (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def wheel_name(path: Path) -> str:
-    return normalized(path.name.split("-", 1)[0])
+    return canonicalize_name(parse_wheel_filename(path.name)[0])
 
 
 def present_names(listing: str) -> set[str]:
@@ -44,7 +42,7 @@ def present_names(listing: str) -> set[str]:
         line = line.strip()
         if not line or line.startswith(("#", "Package", "---")):
             continue
-        names.add(normalized(re.split(r"[=<>~!@ ]", line, maxsplit=1)[0]))
+        names.add(canonicalize_name(re.split(r"[=<>~!@ ]", line, maxsplit=1)[0]))
     return names
 
 
@@ -54,7 +52,7 @@ def requirements(present: set[str]) -> list[str]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     lacking = []
     for requirement in project["dependencies"]:
-        name = normalized(re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0])
+        name = canonicalize_name(Requirement(requirement).name)
         if name not in present and not KEPT_AS_THEY_ARE.match(name):
             lacking.append(requirement)
     return lacking
@@ -68,7 +66,7 @@ def main() -> None:
     parser.add_argument("--python-version", default="3.12")
     args = parser.parse_args()
     present = present_names(args.present.read_text()) if args.present else set()
-    present |= {normalized(name) for name in args.leave_out}
+    present |= {canonicalize_name(name) for name in args.leave_out}
     with tempfile.TemporaryDirectory() as scratch:
         platforms = [a for p in PLATFORMS for a in ("--platform", p)]
         command = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--implementation", "cp"]

@@ -222,7 +222,7 @@ def stage_rows(run: Path, samples, since: float, weights: int, gpu_samples=()) -
             "added_gb": round((peak - weights) / 1e9, 2),
         }
         if gpu_samples:
-            row["gpu_peak_gb"] = round(window_peak(list(gpu_samples), start, end) / 1e9, 2)
+            row["gpu_peak_gb"] = round(window_peak(gpu_samples, start, end) / 1e9, 2)
         rows.append(row)
     return rows
 

@@ -114,8 +114,9 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 def generation_config(policy: Policy, max_new_tokens: int) -> GenerationConfig:
-    """Sampling settings neutral and explicit, so none is taken from the model's own generation config; whatever
-    else it sets acts on the one-hot the sampler hands back, where it cannot change the token."""
+    """Greedy, explicitly, so a model's own generation config cannot turn sampling (and its warpers) back on:
+    `generate` keeps the argmax of the sampler's scores, the token it drew; whatever else that config sets acts on
+    those scores, where it cannot change the token."""
     return GenerationConfig(
         do_sample=False,  # the argmax of the processor's scores: the token it drew, with no draw of generate's own
         max_new_tokens=max_new_tokens,

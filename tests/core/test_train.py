@@ -197,7 +197,7 @@ def test_micro_batches_by_tokens_and_gradient_checkpointing_keep_the_gradient_an
     batch = _batch(tiny_policy)
     params = tiny_policy.trainable_parameters()
     longest = max(len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids, strict=True))
-    padded_tokens, checkpointed = [], []
+    padded_tokens = []
     forward = train.span_logits
 
     def counting_forward(policy, sequences, spans):
@@ -205,10 +205,7 @@ def test_micro_batches_by_tokens_and_gradient_checkpointing_keep_the_gradient_an
         return forward(policy, sequences, spans)
 
     monkeypatch.setattr(train, "span_logits", counting_forward)
-    import transformers.modeling_utils as modeling_utils
-
-    checkpoint = modeling_utils.checkpoint
-    monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    checkpointed = _counted_checkpoints(monkeypatch)
     grads, tokens = [], []
     settings = [{}, {"micro_batch_tokens": 2 * longest}, {"micro_batch_size": 4, "gradient_checkpointing": True}]
     for setting in settings:
@@ -248,17 +245,23 @@ def test_gradient_checkpointing_works_with_the_api_transformers_5_17_has(tiny_po
 
     monkeypatch.setattr(base_class, "gradient_checkpointing_enable", old_enable)
     monkeypatch.setattr(base_class, "gradient_checkpointing_disable", old_disable)
-    import transformers.modeling_utils as modeling_utils
-
-    checkpointed = []
-    checkpoint = modeling_utils.checkpoint
-    monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    checkpointed = _counted_checkpoints(monkeypatch)
     _perturb_adapter(tiny_policy)
     cfg = TrainingConfig(micro_batch_size=4, gradient_checkpointing=True, grad_clip=None)
     params = tiny_policy.trainable_parameters()
     policy_gradient_step(tiny_policy, torch.optim.SGD(params, lr=0.0), _batch(tiny_policy), cfg)
     assert calls == [("enable", {"use_reentrant": False}), ("disable", None)]
     _assert_every_layer_checkpointed_once_per_micro_batch(tiny_policy, checkpointed)
+
+
+def _counted_checkpoints(monkeypatch) -> list:
+    """A list that grows by one each time transformers checkpoints a layer (for the rest of the test)."""
+    import transformers.modeling_utils as modeling_utils
+
+    checkpointed = []
+    checkpoint = modeling_utils.checkpoint
+    monkeypatch.setattr(modeling_utils, "checkpoint", lambda *a, **k: checkpointed.append(1) or checkpoint(*a, **k))
+    return checkpointed
 
 
 def _assert_every_layer_checkpointed_once_per_micro_batch(tiny_policy, checkpointed: list) -> None:
