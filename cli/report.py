@@ -12,6 +12,7 @@ import pandas as pd
 
 from redteam_grpo.core.metrics.registry import REPORT, shown_in
 from redteam_grpo.storage.atomic import write_atomic
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.query import adversarial_examples, query
 from redteam_grpo.storage.rundir import RunDir
 
@@ -47,9 +48,6 @@ def _fmt(x) -> str:
     if isinstance(x, list | tuple) or hasattr(x, "tolist"):
         return ", ".join(map(str, list(x)))
     return str(x)
-
-
-TITLES = {"attack": "Red-team GRPO run", "defense": "Defense GRPO run", "sft": "Attacker SFT run"}
 
 
 def evaluation_html(run: RunDir) -> str:
@@ -127,7 +125,7 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; }} .plots {{ display: f
 figure {{ margin: 0; }} table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px;
 vertical-align: top; text-align: left; }} .warning {{ background: #fff3cd; padding: 1em; border: 1px solid #e0c36b; }}
 </style></head><body>
-<h1>{TITLES[config.run.mode]} {html.escape(run.run_id)}</h1>
+<h1>{mode_of(config).title} {html.escape(run.run_id)}</h1>
 <table class="facts">{facts_html}</table>
 <h2>Per iteration</h2>
 <div class="plots">{plots}</div>

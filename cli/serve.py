@@ -166,7 +166,7 @@ def serve_sampler(
             m.revision,
             m.dtype,
             m.lora_rank,
-            m.max_prompt_tokens + max(cfg.sampling.max_new_tokens, cfg.defense.attacker_max_new_tokens),
+            m.max_prompt_tokens + max(cfg.sampling.max_new_tokens, cfg.attacker_settings.attacker_max_new_tokens),
             host,
             port,
             cfg.run.seed,

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from redteam_grpo.core.config import Config, ConfigError, mode_defaults
 from redteam_grpo.core.metrics.registry import log_line
 from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+from redteam_grpo.core.training.staleness import INITIAL_VERSION
 from redteam_grpo.storage.stages import (
     ATTACK,
     ATTACKER_LEARNER,
@@ -40,6 +41,7 @@ class Mode:
     name: str  # run.mode
     command: str  # the CLI command that runs and resumes it
     label: str  # the progress bar's name for it
+    title: str  # what a report calls a run of it
     learners: Callable[[Config], tuple[Learner, ...]]  # the roles GRPO updates, in order (none: SFT)
     before: tuple[Stage, ...]  # stages before the learners' (defense: the attacker writes the prompts)
     own_update: Stage | None  # a mode's update that is not GRPO's (SFT's epoch), else None
@@ -53,6 +55,9 @@ class Mode:
     artifacts: bool  # each iteration publishes its metrics and top completions as a Prefect artifact
     evaluation: Literal["redteam", "defense"] | None  # what `evaluate` measures on its checkpoints (None: refused)
     describe: Callable[[int, dict[str, Any]], str]  # the log line of an iteration's metrics row
+    # restarts(cfg, role, iteration): whether a learning role starts `iteration` over from its initial checkpoint,
+    # with a fresh optimizer, rather than from the weights after iteration - 1 (a schedule of the mode's own)
+    restarts: Callable[[Config, str, int], bool] = lambda cfg, role, iteration: False
 
     def stages(self, cfg: Config) -> tuple[Stage, ...]:
         """One iteration's stages in the order they run: the mode's first stages, each learner's (the policy's,
@@ -78,6 +83,14 @@ class Mode:
         own = (self.own_update,) if self.own_update is not None else ()
         return (*(learner.update for learner in self.learners(cfg)), *own)
 
+    def starting_version(self, cfg: Config, role: str, iteration: int) -> int:
+        """The version of the weights `role` starts iteration `iteration` from, which its rows of that iteration are
+        drawn by: those after iteration - 1 where it learns, unless the mode restarts it there; else (a role that
+        does not learn, or one restarted) the initial checkpoint's (-1)."""
+        if role not in self.learning_roles(cfg) or self.restarts(cfg, role, iteration):
+            return INITIAL_VERSION
+        return iteration - 1
+
     def staleness(self, cfg: Config) -> tuple[int, str | None]:
         """The staleness this run's updates train at: training.max_staleness where the pipeline can draw iteration
         i + 1 (its stages before the learners' and its rollouts: defense's attack and sample) while iteration i's
@@ -92,6 +105,8 @@ class Mode:
                 "the in-process sampler draws with the trainer's own weights, which the update is changing; the vLLM "
                 "sampler (sampling.backend=vllm) draws beside it"
             )
+        elif self.own_update is not None:
+            why = f"its {self.own_update.name} stage changes the weights the next iteration draws with"
         elif cfg.runtime.task_runner == "ray":
             why = "the sample stage's shards run on Ray, which the overlap does not drive yet"
         else:
@@ -107,6 +122,7 @@ ATTACK_MODE = Mode(
     name="attack",
     command="run",
     label="GRPO",
+    title="Red-team GRPO run",
     learners=lambda cfg: (POLICY,),
     before=(),
     own_update=None,
@@ -125,6 +141,7 @@ DEFENSE_MODE = Mode(
     name="defense",
     command="defense",
     label="defense",
+    title="Defense GRPO run",
     learners=lambda cfg: (POLICY, ATTACKER_LEARNER) if cfg.defense.self_play else (POLICY,),
     before=(ATTACK,),
     own_update=None,
@@ -143,6 +160,7 @@ SFT_MODE = Mode(
     name="sft",
     command="sft",
     label="SFT",
+    title="Attacker SFT run",
     learners=lambda cfg: (),
     before=(),
     own_update=SFT_TRAIN,

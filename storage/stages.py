@@ -154,8 +154,8 @@ ATTACKER_LEARNER = Learner(
     ATTACK_ADVANTAGE,
     ATTACK_TRAIN_STEP,
     *checkpoints.ROLE_FILES[ATTACKER],
-    group_size=lambda cfg: cfg.defense.prompts_per_goal,  # a goal's prompts form a group
-    max_new_tokens=lambda cfg: cfg.defense.attacker_max_new_tokens,
+    group_size=lambda cfg: cfg.attacker_settings.prompts_per_goal,  # a goal's prompts form a group
+    max_new_tokens=lambda cfg: cfg.attacker_settings.attacker_max_new_tokens,
     per_turn=False,
     speaker=ATTACKER_SPEAKER,
 )

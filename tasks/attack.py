@@ -42,7 +42,7 @@ def attack_stage(run_dir: str, iteration: int) -> str:
             res.prompts, iteration, cfg.data.prompts_per_iteration, cfg.run.seed, cfg.data.shuffle
         )
         seed = derive_seed(cfg.run.seed, "attack", iteration)
-        d = cfg.defense
+        d = cfg.attacker_settings
         stale = attacker_drawing_version(res, iteration)
         if stale is not None:  # one step off-policy: from its checkpoint, the weights in memory left to the update
             version, context = stale, contextlib.nullcontext()
@@ -62,8 +62,8 @@ def attack_stage(run_dir: str, iteration: int) -> str:
                 goals,
                 res.attacker_system_prompt,
                 cfg.model.max_prompt_tokens,
-                cfg.defense.prompts_per_goal,
-                cfg.defense.attacker_max_new_tokens,
+                d.prompts_per_goal,
+                d.attacker_max_new_tokens,
                 cfg.sampling.batch_size,
                 seed,
                 version,

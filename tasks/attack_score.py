@@ -1,11 +1,11 @@
 """Self-play stage: the attacker's reward for each of its prompts, from files this iteration already wrote.
 
 harm of a prompt = the judge's mean P(unsafe) over the defender's responses to it (the score stage's `harm`,
-read from scores.parquet: the judge is not run again); reward = harm + defense.attacker_novelty_weight × novelty
-− reward.kl_weight × KL(attacker ‖ base) − reward.repetition_weight × repetition, on the attacker's own tokens
-with its adapter active. Novelty compares a prompt with the iteration's other prompts and with the attacker's
-prompts of earlier iterations (their embeddings, kept in earlier attack_scores files), so the attacker is paid
-for finding new prompts rather than repeating the one that works.
+read from scores.parquet: the judge is not run again); reward = harm + attacker_novelty_weight (of the run's attacker
+section, `Config.attacker_settings`) × novelty − reward.kl_weight × KL(attacker ‖ base) − reward.repetition_weight ×
+repetition, on the attacker's own tokens with its adapter active. Novelty compares a prompt with the iteration's
+other prompts and with the attacker's prompts of earlier iterations (their embeddings, kept in earlier attack_scores
+files), so the attacker is paid for finding new prompts rather than repeating the one that works.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
         n = len(texts)
         novelty: list[float | None] = [None] * n
         embeddings: list[list[float] | None] = [None] * n
-        if cfg.defense.attacker_novelty_weight:
+        if cfg.attacker_settings.attacker_novelty_weight:
             embedded = res.embedder(texts)
             memory = novelty_memory(
                 res.run, iteration, cfg.reward.novelty_memory_iterations, cfg.reward.novelty_memory_size, ATTACK_SCORE

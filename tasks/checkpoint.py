@@ -71,29 +71,31 @@ def parent_adapter(res, ours: dict) -> tuple[Path, str] | None:
 
 
 def attacker_checkpoint(cfg) -> tuple[Path, dict] | None:
-    """Defense: the checkpoint folder of defense.attacker and its manifest (None: the base writes the prompts)."""
-    if cfg.defense.attacker is None:
+    """The checkpoint folder of the attacker the run's mode names (its attacker section's `attacker`: defense.attacker)
+    and its manifest (None: the base writes the prompts)."""
+    source = cfg.attacker_settings.attacker
+    if source is None:
         return None
     try:
-        folder = checkpoints.resolve_adapter_source(cfg.defense.attacker)
+        folder = checkpoints.resolve_adapter_source(source)
         return folder, checkpoints.read_manifest(folder)
     except checkpoints.CheckpointError as exc:
-        raise AttackerError(f"defense.attacker {cfg.defense.attacker}: {exc}") from None
+        raise AttackerError(f"{cfg.attacker_section}.attacker {source}: {exc}") from None
 
 
 def attacker_adapter(res) -> tuple[Path | None, dict]:
-    """Defense: the attacker's adapter file (None: the base writes the prompts) and what the run records of it,
+    """The attacker's adapter file (None: the base writes the prompts) and what the run records of it,
     checked against this run's model like a lineage parent."""
     cfg = res.config
     found = attacker_checkpoint(cfg)
     if found is None:
-        return None, {"source": None, "system_prompt": cfg.defense.attacker_system_prompt}
+        return None, {"source": None, "system_prompt": cfg.attacker_settings.attacker_system_prompt}
     folder, source = found
     detail = model_differences(source, _checkpoint_info(res, INIT_VERSION), "attacker")
     if detail:
         raise AttackerError(
-            f"defense.attacker {folder} was trained on another base or LoRA shape ({detail}): attacker and defender "
-            "share one base model, so train the attacker with this run's model settings"
+            f"{cfg.attacker_section}.attacker {folder} was trained on another base or LoRA shape ({detail}): attacker "
+            "and defender share one base model, so train the attacker with this run's model settings"
         )
     info = {"source": str(folder.resolve()), "run_id": source.get("run_id"), "system_prompt": source["system_prompt"]}
     return folder / checkpoints.ADAPTER_FILE, info
@@ -102,11 +104,12 @@ def attacker_adapter(res) -> tuple[Path | None, dict]:
 def attacker_system_prompt(cfg) -> str:
     """The system prompt the attacker formats goals with: its checkpoint's (as SFT trained it), else the config's."""
     found = attacker_checkpoint(cfg)
-    return cfg.defense.attacker_system_prompt if found is None else found[1]["system_prompt"]
+    return cfg.attacker_settings.attacker_system_prompt if found is None else found[1]["system_prompt"]
 
 
 class AttackerError(RuntimeError):
-    """The attacker named by defense.attacker cannot be used; the message says why and what to do."""
+    """The attacker named by the run's attacker section (defense.attacker) cannot be used; the message says why and
+    what to do."""
 
 
 @task(name="initialize", cache_policy=NO_CACHE)

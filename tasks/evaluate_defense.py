@@ -127,7 +127,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         goals,
         attacker_info["system_prompt"],
         1,
-        cfg.defense.attacker_max_new_tokens,
+        cfg.attacker_settings.attacker_max_new_tokens,
         derive_seed(seed, "evaluate-attack"),
     )
     attacked = [

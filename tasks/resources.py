@@ -84,12 +84,14 @@ class RunResources:
         return optimizer
 
     def ensure_role(self, role: str, version: int) -> None:
-        """`role`'s adapter, and its optimizer where it learns, in memory as they were after iteration `version`'s
-        update (-1: the initial checkpoint). A role that does not learn (defense's attacker without self-play) holds
-        its initial checkpoint's weights at every version."""
+        """`role`'s adapter, and its optimizer where it learns, in memory as iteration `version` + 1 starts from them:
+        as they were after iteration `version`'s update (-1: the initial checkpoint). A role that does not learn
+        (defense's attacker without self-play), or one its mode restarts at `version` + 1 (`Mode.restarts`), holds
+        its initial checkpoint's weights, the latter with a fresh optimizer."""
         cfg = self.config
-        learns = role in mode_of(cfg).learning_roles(cfg)
-        wanted = version if learns else INIT_VERSION
+        mode = mode_of(cfg)
+        learns = role in mode.learning_roles(cfg)
+        wanted = mode.starting_version(cfg, role, version + 1)
         held = self.roles[role]
         if wanted == held.version:
             return

@@ -62,18 +62,21 @@ def train_batch(
     sampler: str,
     suppressed_ids: tuple[int, ...] = (),
     max_staleness: int = 0,
+    starts_from: int | None = None,
 ) -> TrainBatch:
     """The learner's rollouts of `iteration` joined with their advantages. Dialogues (rows of later turns): one row per
     dialogue, its last turn's prompt and completion with the spans of the policy's own turns
     (core/rollouts/dialogue.py). The distribution drawn from is the temperature the rollouts recorded, with the
     policy's `suppressed_ids`: the first-update bound is the sampler's, whatever the trainer replays. Every row the
     learner drew must be drawn by weights at most `max_staleness` updates older than those its update starts from
-    (0: those very weights; core/training/staleness.py), all rows by one version, whose staleness the batch carries."""
+    (0: those very weights; core/training/staleness.py), all rows by one version, whose staleness the batch carries.
+    `starts_from`: the version the update starts from where it is not iteration - 1's (`Mode.starting_version`: a
+    role restarted from its initial checkpoint)."""
     table = run.read(learner.rollouts, iteration).to_pydict()
     own_rows = [v for v, s in zip(table["policy_version"], table["speaker"], strict=True) if s == learner.speaker]
     redo = f"redteam-grpo {run.command} --resume {run.root} --redo {iteration}"
     try:
-        check_staleness(own_rows, iteration, max_staleness, learner.rollouts.name)
+        check_staleness(own_rows, iteration, max_staleness, learner.rollouts.name, starts_from)
     except StaleRolloutsError as exc:
         raise StaleRolloutsError(f"{exc}: {redo}") from None
     versions = sorted(set(own_rows))
@@ -103,7 +106,7 @@ def train_batch(
         spans=trained.spans,
         sampler=sampler,
         sampled_with=sampled_with,
-        staleness=staleness_of(versions[0], iteration) if versions else 0,
+        staleness=staleness_of(versions[0], iteration, starts_from) if versions else 0,
         turn_advantages=(
             [advantages["turn_advantages"][i] for i in rows]
             if any(a is not None for a in advantages["turn_advantages"])
@@ -123,6 +126,7 @@ def update_in_memory(res: RunResources, iteration: int, learner: Learner, data_p
         cfg.sampling.backend,
         res.policy.distribution.suppressed_ids,
         mode_of(cfg).staleness(cfg)[0],
+        mode_of(cfg).starting_version(cfg, learner.role, iteration),
     )
     res.ensure_role(learner.role, iteration - 1)  # self-play: the defender may already hold this iteration's update
     with res.policy.role(learner.role):

@@ -99,8 +99,8 @@ BUG_CLASSES = [
     (
         "stale-rollouts-trained-on",
         "tasks/train_step.py",
-        "check_staleness(own_rows, iteration, max_staleness, learner.rollouts.name)",
-        "check_staleness([], iteration, max_staleness, learner.rollouts.name)",
+        "check_staleness(own_rows, iteration, max_staleness, learner.rollouts.name, starts_from)",
+        "check_staleness([], iteration, max_staleness, learner.rollouts.name, starts_from)",
         "tests/tasks/test_stages.py::test_each_row_records_the_weights_that_drew_it_as_held_and_an_update_trains_on_those_alone",
     ),
     (

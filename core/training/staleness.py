@@ -36,19 +36,22 @@ def drawing_version(iteration: int, max_staleness: int) -> int:
     return max(iteration - 1 - max_staleness, INITIAL_VERSION)
 
 
-def staleness_of(version: int, iteration: int) -> int:
-    """How many updates older than the weights iteration `iteration`'s update starts from (those after iteration - 1)
-    the weights of `version` are."""
-    return iteration - 1 - version
+def staleness_of(version: int, iteration: int, starts_from: int | None = None) -> int:
+    """How many updates older than the weights iteration `iteration`'s update starts from (those after iteration - 1,
+    or `starts_from`) the weights of `version` are."""
+    return (iteration - 1 if starts_from is None else starts_from) - version
 
 
-def check_staleness(versions: Iterable[int], iteration: int, max_staleness: int, what: str = "rollouts") -> None:
+def check_staleness(
+    versions: Iterable[int], iteration: int, max_staleness: int, what: str = "rollouts", starts_from: int | None = None
+) -> None:
     """Refuse rows for iteration `iteration`'s update whose adapter version lies outside
-    [iteration - 1 - max_staleness, iteration - 1]."""
+    [iteration - 1 - max_staleness, iteration - 1]; or, where the update starts from other weights than those after
+    iteration - 1 (`starts_from`: a role restarted from its initial checkpoint, -1), other than `starts_from`."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be 0 or more, got {max_staleness}")
-    newest = iteration - 1
-    oldest = newest - max_staleness
+    newest = iteration - 1 if starts_from is None else starts_from
+    oldest = newest - max_staleness if starts_from is None else starts_from
     drawn = sorted(set(versions))
     outside = [v for v in drawn if not oldest <= v <= newest]
     if outside:

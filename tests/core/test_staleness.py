@@ -25,3 +25,16 @@ def test_a_bound_of_one_admits_the_weights_one_update_older_and_no_older():
         check_staleness([2, 3, 4], iteration=5, max_staleness=1)
     with pytest.raises(ValueError, match="0 or more"):
         check_staleness([4], iteration=5, max_staleness=-1)
+
+
+def test_a_role_restarted_from_its_initial_checkpoint_trains_on_rows_of_those_weights_alone():
+    """A mode that restarts a role (storage/modes.py: Mode.restarts) starts its update from the initial checkpoint
+    (-1), not from the weights after iteration - 1: rows drawn by those are refused, and rows drawn by the initial
+    checkpoint are on-policy (staleness 0), not `iteration` updates stale."""
+    from redteam_grpo.core.training.staleness import staleness_of
+
+    check_staleness([-1, -1], iteration=5, max_staleness=0, starts_from=-1)
+    with pytest.raises(StaleRolloutsError, match=r"\[4\].*by version -1 alone"):
+        check_staleness([4], iteration=5, max_staleness=0, starts_from=-1)
+    assert staleness_of(-1, 5, starts_from=-1) == 0
+    assert staleness_of(-1, 5) == 5
