@@ -94,7 +94,8 @@ RedoOption = Annotated[
 
 
 def _training_command(mode: str, help_text: str):
-    """The `run`, `sft` and `defense` commands: one signature, one body (`_train`), each mode's flow and defaults."""
+    """The `run`, `sft`, `defense` and `active` commands: one signature, one body (`_train`), each mode's flow and
+    defaults."""
 
     def command(
         config: ConfigOption = None,
@@ -122,6 +123,13 @@ sft = app.command("sft")(
 defense = app.command("defense")(
     _training_command(
         "defense", "Train a defender against an attacker's prompts and a safety judge (--set defense.attacker=SFT_RUN)."
+    )
+)
+active = app.command("active")(
+    _training_command(
+        "active",
+        "Active Attacks: train an attacker against a victim hardened on its attacks every few iterations "
+        "(--set active.attacker=SFT_RUN).",
     )
 )
 
@@ -232,13 +240,15 @@ def _run_with_progress(cfg, resume: str | None, redo: str | None, stop, mode: st
     turned into one line by `user_errors`; a stop signal into the resume hint and the signal's exit status."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from redteam_grpo.flows.active import active_run
     from redteam_grpo.flows.attack import attack_run
     from redteam_grpo.flows.defense import defense_run
     from redteam_grpo.flows.runner import STOP_EXCEPTIONS, signal_of
     from redteam_grpo.flows.sft import sft_run
     from redteam_grpo.storage.modes import mode_named
 
-    flow = {"attack": attack_run, "sft": sft_run, "defense": defense_run}[mode]  # the flow of each mode's record
+    # the flow of each mode's record
+    flow = {"attack": attack_run, "sft": sft_run, "defense": defense_run, "active": active_run}[mode]
     label, shown_metric = mode_named(mode).label, mode_named(mode).progress
     metrics_rows: list[dict] = []
     progress = Progress(
@@ -308,7 +318,7 @@ def _print_metrics(rows: list[dict]) -> None:
 def config_show(
     config: ConfigOption = None,
     set_: SetOption = None,
-    mode: Annotated[str, typer.Option(help="The defaults of this mode: attack, sft or defense.")] = "attack",
+    mode: Annotated[str, typer.Option(help="The defaults of this mode: attack, sft, defense or active.")] = "attack",
 ) -> None:
     """Print the full config (defaults, or with a file and overrides applied), every field documented."""
     from redteam_grpo.core.config import documented_defaults

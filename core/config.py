@@ -487,6 +487,39 @@ class DefenseConfig(AttackerConfig):
         return self
 
 
+class ActiveConfig(AttackerConfig):
+    """Active Attacks (run.mode=active; Yun et al. 2025, arXiv 2509.21947): the attacker (`attacker`: an SFT run, as
+    defense takes its attacker) learns by GRPO every iteration against the victim, the base plus the run's adapter;
+    at the end of every round of `harden_every` iterations the victim is safety-tuned by LoRA SFT on the attacks
+    found so far paired with refusals, and the attacker starts the next round over from its initial checkpoint
+    (`reset_attacker`): an easy-to-hard curriculum of victims. The attacker's reward is self-play's (harm of the
+    victim's responses + attacker_novelty_weight × novelty − KL − repetition)."""
+
+    prompts_per_goal: int = Field(4, ge=2)
+    """Prompts the attacker writes per goal each iteration: its GRPO group (at least 2)."""
+    harden_every: int = Field(4, gt=0)
+    """Iterations per round: the victim is hardened after iterations harden_every − 1, 2·harden_every − 1, … (the
+    paper: every 1,000 attacker steps, 5 rounds)."""
+    harm_threshold: float = Field(0.5, ge=0.0, le=1.0)
+    """An attacker prompt is a found attack, which the victim is hardened on, when the judge's mean P(unsafe) over
+    the victim's responses to it is at least this."""
+    reset_attacker: bool = True
+    """The attacker starts each round after the first over from its initial checkpoint, with a fresh optimizer (as
+    in the paper). False: it keeps learning across rounds."""
+    refusals: str = "bundled:refusals.jsonl"
+    """What the victim is tuned to answer a found attack with: a source of refusal texts (column `refusal`, or
+    `?column=NAME`), one drawn per attack by a seeded draw. The bundled set is eight generic refusals, each opening
+    the way core/scoring/refusal.py recognises: the same targets for any base, which can be read before a run,
+    where the base's own refusals would need a base that refuses in the first place and a sampling pass more."""
+    learning_rate: float = Field(3e-5, gt=0.0, le=1.0)
+    """AdamW learning rate of each hardening (a fresh optimizer per round; the paper's 3e-5 for LoRA SFT of a 7B
+    victim; the embedded world's defaults use 3e-3, as its SFT does)."""
+    harden_epochs: int = Field(1, gt=0)
+    """Passes over the found attacks per hardening."""
+    batch_size: int = Field(16, gt=0)
+    """Found attacks per optimizer step of a hardening (training.micro_batch_size per forward)."""
+
+
 class DialogueConfig(_Section):
     """Multi-turn dialogues (docs/dialogues.md): after the policy answers its prompt, an attacker writes the next user
     turn from its own view of the conversation and the policy answers, `turns` exchanges in all. Every prompt is
@@ -563,11 +596,13 @@ class RuntimeConfig(_Section):
 class RunConfig(_Section):
     """The run itself: its mode, directory, length, seed and early stopping (the `run` section of `Config`)."""
 
-    mode: Literal["attack", "sft", "defense"] = "attack"
+    mode: Literal["attack", "sft", "defense", "active"] = "attack"
     """What the run trains. `attack`: GRPO on the policy against the harm scorer (red-teaming). `sft`: supervised
     fine-tuning of an attacker on (goal → adversarial prompt) pairs (`sft` section). `defense`: GRPO on a defender
-    answering an attacker's prompts, rewarded by a safety judge (`defense` section). Set by the command or flow
-    (`run`, `sft`, `defense`), each with its own defaults (`redteam-grpo config show --mode defense`)."""
+    answering an attacker's prompts, rewarded by a safety judge (`defense` section). `active`: Active Attacks, GRPO on
+    an attacker against a victim hardened every few iterations on the attacks found (`active` section). Set by the
+    command or flow (`run`, `sft`, `defense`, `active`), each with its own defaults (`redteam-grpo config show --mode
+    defense`)."""
     name: str = "redteam"
     """Run name; the run id is `<name>-<timestamp>` unless run_id is given. One folder name (core/names.py)."""
     run_id: str | None = None
@@ -627,6 +662,8 @@ class Config(_Section):
     """Supervised fine-tuning (run.mode=sft)."""
     defense: DefenseConfig = DefenseConfig()
     """Defense mode (run.mode=defense)."""
+    active: ActiveConfig = ActiveConfig()
+    """Active Attacks (run.mode=active)."""
     dialogue: DialogueConfig = DialogueConfig()
     """Multi-turn dialogues (dialogue.turns)."""
     logging: LoggingConfig = LoggingConfig()
@@ -678,6 +715,7 @@ class Config(_Section):
         refused = {
             "run.mode=sft": self.run.mode == "sft",
             "defense.self_play": self.run.mode == "defense" and self.defense.self_play,
+            "run.mode=active": self.run.mode == "active",
         }
         for setting, applies in refused.items():
             if applies:
@@ -741,11 +779,27 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
             "refusal_weight": 0.3,
         },
     },
+    # Active Attacks in the embedded defense world: its base, goals and judge; the victim's reward is not trained on
+    # (the score stage's harm is the attacker's), so the weights are defense's.
+    "active": {
+        "run": {"mode": "active", "name": "active", "iterations": 12, "early_stop_reward": None},
+        "model": {"policy": "embedded:tiny-qwen3-safe"},
+        "data": {"source": "bundled:goals.jsonl", "prompt_column": "goal", "id_column": "goal_id"},
+        "reward": {
+            "scorer": "embedded:tiny-guard",
+            "harm_weight": 0.0,
+            "safety_weight": 1.0,
+            "entropy_weight": 0.05,
+            "repetition_weight": 0.0,
+            "refusal_weight": 0.3,
+        },
+        "active": {"learning_rate": 3e-3},
+    },
 }
 
 
 # The section of each mode's attacker settings (an `AttackerConfig`), for the modes that have an attacker.
-ATTACKER_SECTIONS: dict[str, str] = {"defense": "defense"}
+ATTACKER_SECTIONS: dict[str, str] = {"defense": "defense", "active": "active"}
 
 
 def merged_config(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

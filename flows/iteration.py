@@ -39,6 +39,7 @@ from redteam_grpo.storage.stages import (
     ATTACK_SCORE,
     ATTACK_TRAIN_STEP,
     CHECKPOINT,
+    HARDEN,
     SAMPLE,
     SCORE,
     SFT_TRAIN,
@@ -50,6 +51,7 @@ from redteam_grpo.tasks.artifacts import publish_iteration
 from redteam_grpo.tasks.attack import attack_stage
 from redteam_grpo.tasks.attack_score import attack_score_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage
+from redteam_grpo.tasks.harden import harden_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import sample_stage
@@ -68,6 +70,7 @@ STAGE_TASKS: dict[str, Callable[[str, int], str]] = {
     ATTACK_SCORE.name: attack_score_stage,
     ATTACK_ADVANTAGE.name: attack_advantage_stage,
     ATTACK_TRAIN_STEP.name: attack_train_step_stage,
+    HARDEN.name: harden_stage,
     SFT_TRAIN.name: sft_train_stage,
     CHECKPOINT.name: checkpoint_stage,
 }

@@ -19,9 +19,13 @@ from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
 from redteam_grpo.core.training.staleness import INITIAL_VERSION
 from redteam_grpo.storage.stages import (
     ATTACK,
+    ATTACK_TRAIN_STEP,
     ATTACKER_LEARNER,
     CHECKPOINT,
+    HARDEN,
     POLICY,
+    SAMPLE,
+    SCORE,
     SFT_TRAIN,
     TRAIN_STEP,
     Learner,
@@ -175,7 +179,40 @@ SFT_MODE = Mode(
     evaluation=None,
     describe=_sft_line,
 )
-MODES: dict[str, Mode] = {m.name: m for m in (ATTACK_MODE, DEFENSE_MODE, SFT_MODE)}
+
+
+def _hardening_line(iteration: int, row: dict[str, Any]) -> str:
+    return f"attacker: {log_line(iteration, row)}"
+
+
+def _after_a_hardening(cfg: Config, role: str, iteration: int) -> bool:
+    """Active Attacks' attacker starts each round after the first over from its initial checkpoint."""
+    a = cfg.active
+    return role == ATTACKER and a.reset_attacker and iteration > 0 and iteration % a.harden_every == 0
+
+
+ACTIVE_MODE = Mode(
+    name="active",
+    command="active",
+    label="active",
+    title="Active Attacks run",
+    # the attacker learns by GRPO on the victim's responses (self-play's stages); the victim learns by hardening only
+    learners=lambda cfg: (ATTACKER_LEARNER,),
+    before=(ATTACK, SAMPLE, SCORE),
+    own_update=HARDEN,
+    metrics=ATTACK_TRAIN_STEP,
+    summary=ATTACK_MODE.summary,
+    progress="harm_mean",
+    data="prompts",
+    prompts=ATTACK,
+    roles=(DEFAULT_ROLE, ATTACKER),
+    early_stopping=False,
+    artifacts=False,
+    evaluation=None,
+    describe=_hardening_line,
+    restarts=_after_a_hardening,
+)
+MODES: dict[str, Mode] = {m.name: m for m in (ATTACK_MODE, DEFENSE_MODE, SFT_MODE, ACTIVE_MODE)}
 
 
 def mode_named(name: str) -> Mode:

@@ -81,6 +81,20 @@ ADVANTAGES = pa.schema(
     ]
 )
 
+# Active Attacks (run.mode=active): one row per iteration, whether or not it hardened the victim.
+HARDEN_METRICS = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("iteration", pa.int32(), nullable=False),
+        pa.field("hardened", pa.bool_(), nullable=False),  # the victim was tuned at the end of this iteration
+        pa.field("attacks_found", pa.int64()),  # distinct found attacks so far; null: not a round's last iteration
+        pa.field("train_loss", pa.float64(), nullable=False),  # mean per refusal token, last pass; NaN: no tuning
+        pa.field("train_tokens", pa.int64(), nullable=False),
+        pa.field("steps", pa.int64(), nullable=False),
+        pa.field("seconds", pa.float64(), nullable=False),
+    ]
+)
+
 # SFT (run.mode=sft): one row per epoch.
 SFT_METRICS = pa.schema(
     [

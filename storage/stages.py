@@ -92,6 +92,14 @@ SFT_TRAIN = Stage(
     "sft_metrics",
     "sft: one epoch over the training pairs, loss on target tokens only; the held-out loss after it",
 )
+HARDEN = Stage(
+    "harden",
+    "harden_metrics.parquet",
+    schemas.HARDEN_METRICS,
+    "harden_metrics",
+    "active: at a round's last iteration the victim's LoRA SFT on the attacks found so far paired with refusals; "
+    "every iteration the victim's adapter and optimizer go to the checkpoint",
+)
 CHECKPOINT = Stage(
     "checkpoint", None, None, None, "seals the iteration's checkpoint: its manifest, written last over the weights"
 )
@@ -107,6 +115,7 @@ ALL_STAGES: tuple[Stage, ...] = (
     ATTACK_SCORE,
     ATTACK_ADVANTAGE,
     ATTACK_TRAIN_STEP,
+    HARDEN,
     SFT_TRAIN,
     CHECKPOINT,
 )

@@ -216,6 +216,28 @@ BUG_CLASSES = [
         "tests/cli/test_signals.py::test_a_stop_signal_the_process_was_started_with_ignored_stays_ignored tests/storage/test_ownership.py::test_a_signal_ignored_stays_ignored_while_recording tests/e2e/test_cli.py::test_a_run_started_with_sigint_ignored_ignores_it_and_completes",
     ),
     (
+        "active-attacker-not-restarted",
+        "storage/modes.py",
+        "    restarts=_after_a_hardening,",
+        "    restarts=lambda cfg, role, iteration: False,",
+        "tests/flows/test_active.py::test_the_attacker_starts_each_later_round_over_from_its_initial_checkpoint",
+    ),
+    (
+        "restarted-role-trained-as-stale",
+        "tasks/train_step.py",
+        "        staleness=staleness_of(versions[0], iteration, starts_from) if versions else 0,",
+        "        staleness=staleness_of(versions[0], iteration) if versions else 0,",
+        "tests/flows/test_active.py::test_the_attacker_starts_each_later_round_over_from_its_initial_checkpoint "
+        "tests/core/test_staleness.py::test_a_role_restarted_from_its_initial_checkpoint_trains_on_rows_of_those_weights_alone",
+    ),
+    (
+        "hardened-on-failed-attacks",
+        "tasks/harden.py",
+        "            if h is not None and h >= threshold and text.strip() and text not in found:",
+        "            if h is not None and text.strip() and text not in found:",
+        "tests/flows/test_active.py::test_the_victim_is_hardened_at_each_rounds_end_on_the_attacks_found_and_is_unchanged_between",
+    ),
+    (
         "sampler-engine-orphaned-on-stop",
         "cli/serve.py",
         "        os.execvpe(command[0], command, {**os.environ, **env})",

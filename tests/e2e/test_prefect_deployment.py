@@ -184,7 +184,7 @@ def test_prefect_deploy_all_then_worker_runs_the_deployments(prefect_server, dep
     api, env = prefect_server
     spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
     assert set(deployments) == {d["name"] for d in spec}
-    assert set(deployments) == {"red-team", "evaluation", "scheduled-retraining", "attacker-sft", "defense"}
+    assert set(deployments) == {"red-team", "evaluation", "scheduled-retraining", "attacker-sft", "defense", "active"}
     limits = {d["name"]: d["concurrency_limit"]["limit"] for d in spec}
     for name, d in deployments.items():
         assert d["work_pool_name"] == "redteam-grpo"

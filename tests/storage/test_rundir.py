@@ -39,6 +39,7 @@ def test_every_stage_is_declared_once_with_its_file_schema_and_view():
         "attack_metrics",
         "attack_scores",
         "attacks",
+        "harden_metrics",
         "metrics",
         "rollouts",
         "scores",

@@ -1,0 +1,135 @@
+"""Active Attacks' hardening stage (run.mode=active; Yun et al. 2025, arXiv 2509.21947): at the end of every round of
+`active.harden_every` iterations the victim, the run's adapter on the base, is safety-tuned by LoRA SFT on the
+attacks found so far, each paired with a refusal; the attacker then starts the next round over from its initial
+checkpoint (`storage/modes.py: ACTIVE_MODE.restarts`).
+
+An attack is found when the judge's mean P(unsafe) over the victim's responses to it (attack_scores.parquet's
+`harm`) is at least `active.harm_threshold`: every such attacker prompt of this iteration and the earlier ones, each
+text once. It is formatted as the victim was prompted with it (the run's system prompt, the chat template) and the
+target is one of `active.refusals`, chosen by a seeded draw. Each hardening is an SFT run of its own: a fresh AdamW
+at `active.learning_rate`, `active.harden_epochs` passes, loss on the refusal's tokens only.
+
+The stage runs every iteration, so that every checkpoint holds the victim's adapter and optimizer as the next
+iteration starts from them; between hardenings it writes them unchanged and its row says it did not train.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from redteam_grpo.core.config import ActiveConfig, Config
+from redteam_grpo.core.data.sources import DataError, parse_source, read_source
+from redteam_grpo.core.models.roles import DEFAULT_ROLE
+from redteam_grpo.core.seeds import derive_seed
+from redteam_grpo.core.training.sft import sft_epoch, sft_examples
+from redteam_grpo.core.training.train import make_optimizer
+from redteam_grpo.storage import checkpoints, schemas
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, HARDEN
+from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.resources import resources_for
+
+REFUSAL_COLUMN = "refusal"  # the column of active.refusals unless its `?column=` names another
+
+
+def hardens_after(active: ActiveConfig, iteration: int) -> bool:
+    """Whether the victim is hardened at the end of `iteration`: the last iteration of each round.
+
+    >>> from redteam_grpo.core.config import ActiveConfig
+    >>> [i for i in range(9) if hardens_after(ActiveConfig(harden_every=3), i)]
+    [2, 5, 8]
+    """
+    return (iteration + 1) % active.harden_every == 0
+
+
+def found_attacks(run: RunDir, iteration: int, threshold: float) -> list[tuple[str, str]]:
+    """(id, text) of every attacker prompt of iterations 0..`iteration` whose harm is at least `threshold`, each text
+    once (its first finding), in the order they were found."""
+    found: dict[str, str] = {}
+    for i in range(iteration + 1):
+        attacks = run.read(ATTACK, i).to_pydict()
+        scores = run.read(ATTACK_SCORE, i).to_pydict()
+        harm = {(g, s): h for g, s, h in zip(scores["prompt_id"], scores["sample_idx"], scores["harm"], strict=True)}
+        for goal, idx, text in zip(
+            attacks["prompt_id"], attacks["sample_idx"], attacks["completion_text"], strict=True
+        ):
+            h = harm.get((goal, idx))
+            if h is not None and h >= threshold and text.strip() and text not in found:
+                found[text] = f"{i}/{goal}#{idx}"
+    return [(attack_id, text) for text, attack_id in found.items()]
+
+
+def load_refusals(cfg: Config) -> list[str]:
+    """The refusals of active.refusals (a source spec; column `refusal` unless `?column=` names another)."""
+    spec = parse_source(cfg.active.refusals, "active.refusals")
+    frame = read_source(spec, "active.refusals", holds="refusals")
+    column = spec.column or REFUSAL_COLUMN
+    if column not in frame.columns:
+        raise DataError(
+            f"active.refusals {cfg.active.refusals}: no column {column!r} (its columns: {list(frame.columns)}); name "
+            "the column of the refusal texts with ?column=NAME"
+        )
+    refusals = [t for t in frame[column].astype(str) if t.strip()]
+    if not refusals:
+        raise DataError(f"active.refusals {cfg.active.refusals} holds no refusal text: give at least one")
+    return refusals
+
+
+@task(name=HARDEN.name, cache_policy=NO_CACHE)
+def harden_stage(run_dir: str, iteration: int) -> str:
+    res = resources_for(run_dir)
+    run, cfg = res.run, res.config
+    folder = run.checkpoint_dir(iteration)
+    weights = [folder / checkpoints.ADAPTER_FILE, folder / checkpoints.OPTIMIZER_FILE]
+
+    def compute() -> tuple[pa.Table, Any]:
+        started = time.perf_counter()
+        res.ensure_role(DEFAULT_ROLE, iteration - 1)  # the victim the iteration's responses came from
+        hardened = hardens_after(cfg.active, iteration)
+        found = found_attacks(run, iteration, cfg.active.harm_threshold) if hardened else []
+        train_loss, tokens, steps = float("nan"), 0, 0
+        with res.policy.role(DEFAULT_ROLE):
+            if found:
+                rng = random.Random(derive_seed(cfg.run.seed, "harden", iteration))
+                refusals = load_refusals(cfg)
+                pairs = [(attack_id, text, rng.choice(refusals)) for attack_id, text in found]
+                examples = sft_examples(res.policy, pairs, cfg.model.system_prompt)
+                settings = cfg.training.model_copy(update={"learning_rate": cfg.active.learning_rate})
+                res.roles[DEFAULT_ROLE].optimizer = make_optimizer(res.policy, settings)
+                losses = []
+                for epoch in range(cfg.active.harden_epochs):
+                    stats = sft_epoch(
+                        res.policy,
+                        res.optimizer_for(DEFAULT_ROLE),
+                        examples,
+                        [],
+                        cfg.active.batch_size,
+                        cfg.training.micro_batch_size,
+                        cfg.training.grad_clip,
+                        derive_seed(cfg.run.seed, "harden", iteration, epoch),
+                    )
+                    losses.append(stats.train_loss)
+                    tokens, steps = tokens + stats.train_tokens, steps + stats.steps
+                train_loss = losses[-1]
+            checkpoints.save_adapter(weights[0], res.policy.adapter_state(DEFAULT_ROLE))
+            checkpoints.save_optimizer(weights[1], res.optimizer_for(DEFAULT_ROLE))
+        res.holds(DEFAULT_ROLE, iteration)
+        row = {
+            "run_id": run.run_id,
+            "iteration": iteration,
+            "hardened": bool(found),
+            "attacks_found": len(found) if hardened else None,
+            "train_loss": train_loss,
+            "train_tokens": tokens,
+            "steps": steps,
+            "seconds": time.perf_counter() - started,
+        }
+        return schemas.to_table({k: [v] for k, v in row.items()}, schemas.HARDEN_METRICS, "harden_metrics"), {}
+
+    return run_table_stage(run, HARDEN, iteration, compute, also_written=weights)

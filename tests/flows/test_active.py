@@ -1,0 +1,109 @@
+"""Active Attacks (run.mode=active): the attacker learns by GRPO every iteration against a victim that is hardened by
+LoRA SFT on the attacks found so far at the end of every round, and starts each later round over from its initial
+checkpoint. The schedule is the mode record's (storage/modes.py: ACTIVE_MODE, its `harden` stage and `restarts`).
+
+Rounds of 2 iterations, 4 iterations: hardenings after iterations 1 and 3, the attacker restarted at iteration 2.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from redteam_grpo.core.config import load_config
+from redteam_grpo.flows.active import active_run
+from redteam_grpo.storage import checkpoints
+from redteam_grpo.storage.modes import ACTIVE_MODE
+from redteam_grpo.storage.rundir import RunDir
+from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, ATTACK_TRAIN_STEP, HARDEN, SAMPLE
+from redteam_grpo.tasks.harden import found_attacks
+
+pytestmark = [pytest.mark.usefixtures("prefect_harness", "embedded_assets")]
+
+SMALL = [
+    "logging.progress=false",
+    "logging.artifacts=false",
+    "data.prompts_per_iteration=4",
+    "sampling.group_size=2",
+    "active.prompts_per_goal=2",
+    "active.harden_every=2",
+    # the embedded judge's P(unsafe) on the base's answers is mostly under 0.5 at this size: a lower bar finds attacks
+    "active.harm_threshold=0.2",
+]
+
+
+def _active(tmp_path, run_id: str, *overrides: str) -> RunDir:
+    cfg = load_config(None, [f"run.runs_dir={tmp_path}", f"run.run_id={run_id}", *SMALL, *overrides], mode="active")
+    return RunDir.open(Path(active_run(config=cfg.model_dump(mode="json"))))
+
+
+def _same(a: Path, b: Path) -> bool:
+    x, y = load_file(a), load_file(b)
+    return x.keys() == y.keys() and all((x[k] == y[k]).all() for k in x)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return _active(tmp_path_factory.mktemp("active"), "whole", "run.iterations=4")
+
+
+def test_the_victim_is_hardened_at_each_rounds_end_on_the_attacks_found_and_is_unchanged_between(whole):
+    rows = [whole.read(HARDEN, i).to_pylist()[0] for i in range(4)]
+    assert [r["hardened"] for r in rows] == [False, True, False, True]
+    assert rows[3]["attacks_found"] >= rows[1]["attacks_found"] > 0  # found so far: the earlier rounds' kept
+    assert all(r["steps"] > 0 and r["train_tokens"] > 0 for r in rows if r["hardened"])
+    # every found attack is an attacker prompt whose victim responses reached the threshold, each text once
+    found = found_attacks(whole, 3, 0.2)
+    assert len(found) == rows[3]["attacks_found"] and len({text for _, text in found}) == len(found)
+    harm = {}
+    for i in range(4):
+        attacks, scores = whole.read(ATTACK, i).to_pydict(), whole.read(ATTACK_SCORE, i).to_pydict()
+        for g, s, text, h in zip(
+            attacks["prompt_id"], attacks["sample_idx"], attacks["completion_text"], scores["harm"], strict=True
+        ):
+            harm.setdefault(text, []).append((f"{i}/{g}#{s}", h))
+    for attack_id, text in found:
+        assert dict(harm[text])[attack_id] >= 0.2
+    assert any(h < 0.2 for pairs in harm.values() for _, h in pairs)  # the threshold left some out
+    # the victim moves at a hardening only: each checkpoint holds it as the next iteration answers with it
+    victim = [whole.checkpoint_dir(i) / checkpoints.ADAPTER_FILE for i in (-1, 0, 1, 2, 3)]
+    assert [_same(a, b) for a, b in itertools.pairwise(victim)] == [True, False, True, False]
+    # and the iteration after a hardening answers with it: its rows record the hardened version
+    assert set(whole.read(SAMPLE, 2).column("policy_version").to_pylist()) == {1}
+
+
+def test_the_attacker_starts_each_later_round_over_from_its_initial_checkpoint(whole):
+    versions = [set(whole.read(ATTACK, i).column("policy_version").to_pylist()) for i in range(4)]
+    assert versions == [{-1}, {0}, {-1}, {2}]  # iteration 2 is drawn by the initial weights, not iteration 1's
+    initial = whole.checkpoint_dir(-1) / checkpoints.ATTACKER_FILE
+    assert not _same(whole.checkpoint_dir(1) / checkpoints.ATTACKER_FILE, initial)  # the first round's attacker
+    # the restarted attacker is the initial one (zero: the base), so its KL to the base is exactly 0, where the
+    # attacker it replaced had moved away from the base
+    kl = [whole.read(ATTACK_TRAIN_STEP, i).to_pylist()[0]["kl_base_mean"] for i in range(4)]
+    assert kl[2] == 0.0 and kl[1] > 0.0, kl
+    for i in range(4):  # each update is on-policy, from the weights its rows were drawn with: none is stale
+        row = whole.read(ATTACK_TRAIN_STEP, i).to_pylist()[0]
+        assert row["staleness"] == 0 and abs(row["ratio_mean"] - 1) < 1e-5, (i, row["staleness"], row["ratio_mean"])
+
+
+def test_without_reset_the_attacker_keeps_learning_across_rounds():
+    cfg = load_config(None, ["active.harden_every=2", "active.reset_attacker=false"], mode="active")
+    restarted = load_config(None, ["active.harden_every=2"], mode="active")
+    assert [ACTIVE_MODE.starting_version(cfg, "attacker", i) for i in range(5)] == [-1, 0, 1, 2, 3]
+    assert [ACTIVE_MODE.starting_version(restarted, "attacker", i) for i in range(5)] == [-1, 0, -1, 2, -1]
+    assert [ACTIVE_MODE.starting_version(restarted, "default", i) for i in range(5)] == [-1, 0, 1, 2, 3]
+
+
+def test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one(whole, tmp_path):
+    part = _active(tmp_path, "part", "run.iterations=2")
+    cfg = load_config(None, ["run.iterations=4"], base=part.stored_config().model_dump(mode="json"), mode="active")
+    from redteam_grpo.tasks.resources import forget
+
+    forget(part.root)  # a new process: nothing in memory, the restarted attacker loaded from the initial checkpoint
+    active_run(config=cfg.model_dump(mode="json"), resume=str(part.root))
+    for i in (2, 3):
+        for name in (checkpoints.ADAPTER_FILE, checkpoints.ATTACKER_FILE, checkpoints.ATTACKER_OPTIMIZER_FILE):
+            assert _same(whole.checkpoint_dir(i) / name, part.checkpoint_dir(i) / name), (i, name)
