@@ -62,6 +62,8 @@ class Mode:
     # restarts(cfg, role, iteration): whether a learning role starts `iteration` over from its initial checkpoint,
     # with a fresh optimizer, rather than from the weights after iteration - 1 (a schedule of the mode's own)
     restarts: Callable[[Config, str, int], bool] = lambda cfg, role, iteration: False
+    # evaluation None: what `evaluate` tells the person who asks it to evaluate such a run, and where to look instead
+    not_evaluated: str = ""
 
     def stages(self, cfg: Config) -> tuple[Stage, ...]:
         """One iteration's stages in the order they run: the mode's first stages, each learner's (the policy's,
@@ -178,6 +180,10 @@ SFT_MODE = Mode(
     artifacts=False,
     evaluation=None,
     describe=_sft_line,
+    not_evaluated=(
+        "an SFT run: its held-out loss is in sft_metrics.parquet (redteam-grpo inspect); evaluate the defense run that "
+        "uses it as its attacker"
+    ),
 )
 
 
@@ -211,6 +217,10 @@ ACTIVE_MODE = Mode(
     evaluation=None,
     describe=_hardening_line,
     restarts=_after_a_hardening,
+    not_evaluated=(
+        "an Active Attacks run, which evaluate does not measure yet: the attacker's success per iteration is in "
+        "redteam-grpo inspect, each hardening in its harden_metrics view"
+    ),
 )
 MODES: dict[str, Mode] = {m.name: m for m in (ATTACK_MODE, DEFENSE_MODE, SFT_MODE, ACTIVE_MODE)}
 

@@ -21,6 +21,7 @@ from redteam_grpo.core.metrics.registry import CHECK, SUMMARY, shown_in
 from redteam_grpo.core.rollouts.dialogue import dialogue_messages
 from redteam_grpo.storage import schemas
 from redteam_grpo.storage.location import is_remote
+from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, checkpoint_name
 from redteam_grpo.storage.stages import BY_VIEW
 
@@ -56,15 +57,22 @@ def query(run: RunDir, sql: str) -> pd.DataFrame:
         return con.execute(sql).df()
 
 
+def metrics_view(run: RunDir) -> str:
+    """The view of the run's per-iteration metrics rows: its mode's metrics stage's where that is a GRPO update's
+    (Active Attacks: the attacker's, attack_metrics), else `metrics`."""
+    stage = mode_of(run.stored_config()).metrics
+    return stage.view if stage.schema is schemas.TRAIN_METRICS and stage.view else "metrics"
+
+
 def summary(run: RunDir) -> pd.DataFrame:
     with connect(run) as con:
-        return con.execute(f"select {', '.join(SUMMARY_COLUMNS)} from metrics order by iteration").df()
+        return con.execute(f"select {', '.join(SUMMARY_COLUMNS)} from {metrics_view(run)} order by iteration").df()
 
 
 def first_update_check(run: RunDir) -> pd.DataFrame:
     """Per iteration, each gate of the first-update check beside its bound (core/training/train.py)."""
     with connect(run) as con:
-        return con.execute(f"select {', '.join(CHECK_COLUMNS)} from metrics order by iteration").df()
+        return con.execute(f"select {', '.join(CHECK_COLUMNS)} from {metrics_view(run)} order by iteration").df()
 
 
 def conversations(con: duckdb.DuckDBPyConnection, examples: pd.DataFrame) -> list[list[dict[str, str]]]:

@@ -158,10 +158,7 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
     run = RunDir.open(run_dir)
     cfg = run.stored_config()
     if mode_of(cfg).evaluation is None:
-        raise EvaluationError(
-            f"{run.run_id} is an SFT run: its held-out loss is in sft_metrics.parquet (redteam-grpo inspect); "
-            "evaluate the defense run that uses it as its attacker"
-        )
+        raise EvaluationError(f"{run.run_id} is {mode_of(cfg).not_evaluated}")
     ignored = options.defense_options_set()
     if ignored:
         flags = ", ".join(f"--{n.replace('_', '-')}" if n in CLI_SETS else n for n in ignored)

@@ -107,3 +107,15 @@ def test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one(whole, tmp_
     for i in (2, 3):
         for name in (checkpoints.ADAPTER_FILE, checkpoints.ATTACKER_FILE, checkpoints.ATTACKER_OPTIMIZER_FILE):
             assert _same(whole.checkpoint_dir(i) / name, part.checkpoint_dir(i) / name), (i, name)
+
+
+def test_inspect_shows_the_attackers_iterations_and_evaluate_says_it_does_not_measure_the_mode(whole):
+    from redteam_grpo.core.evaluation import EvaluationOptions
+    from redteam_grpo.storage.query import first_update_check, summary
+    from redteam_grpo.tasks.evaluate import EvaluationError, evaluate_checkpoint
+
+    table = summary(whole)  # the mode's metrics rows are the attacker's update's
+    assert table.iteration.tolist() == [0, 1, 2, 3] and table.harm_mean.notna().all()
+    assert len(first_update_check(whole)) == 4
+    with pytest.raises(EvaluationError, match="Active Attacks run, which evaluate does not measure yet"):
+        evaluate_checkpoint.fn(str(whole.root), EvaluationOptions())
