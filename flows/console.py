@@ -15,18 +15,25 @@ _STOPPED = (
 
 # a run stopped before its engine has its run logger says it through "prefect.engine"
 _ECHOING_LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.engine")
+# Prefect's background services (prefect/_internal/concurrency/services.py: QueueService, each logging under its class
+# name) report every 4 s of their flush at exit that items remain: on a busy machine a command that has finished its
+# work and printed its result then adds "EventsWorker - Still processing items: 3 items remaining...". The items are
+# the run's events and API logs, still delivered; the line says nothing about the run.
+_DRAINING = "Still processing items:"
 
 
 class _NoTraceback(logging.Filter):
     """Drops the records that carry a traceback, and Prefect's echo of a run's failure ("Finished in state
     Failed(...)") or of its stop by a signal ("Crash detected! ..."): the CLI's line says the same once, with the
-    way out."""
+    way out. Drops too its services' progress of their flush at exit (`_DRAINING`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info is not None:
             return False
         echo = record.levelno >= logging.ERROR and record.name in _ECHOING_LOGGERS
-        return not (echo and str(record.msg).startswith(("Finished in state", *_STOPPED)))
+        if echo and str(record.msg).startswith(("Finished in state", *_STOPPED)):
+            return False
+        return not (record.levelno == logging.WARNING and str(record.msg).startswith(_DRAINING))
 
 
 def keep_tracebacks_off_console() -> None:

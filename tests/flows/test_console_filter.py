@@ -41,3 +41,11 @@ def test_prefect_s_echo_of_a_stop_or_failure_is_dropped_from_any_of_its_run_logg
 )
 def test_other_records_reach_the_console(logger, level, message):
     assert _NoTraceback().filter(_record(logger, level, message))
+
+
+@pytest.mark.parametrize("service", ["EventsWorker", "APILogWorker"])
+def test_a_services_flush_progress_at_exit_is_dropped(service):
+    # a finished command on a busy machine printed "EventsWorker - Still processing items: 3 items remaining..."
+    # after its own error line (tests/e2e/test_cli.py::test_a_failure_inside_a_prefect_task_is_the_error_line_alone)
+    assert not _NoTraceback().filter(_record(service, logging.WARNING, "Still processing items: 3 items remaining..."))
+    assert _NoTraceback().filter(_record(service, logging.WARNING, "Failed to send events"))
