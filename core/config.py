@@ -745,6 +745,25 @@ class Config(_Section):
 
 ATTACKER_SYSTEM_PROMPT = DefenseConfig.model_fields["attacker_system_prompt"].default
 
+# The embedded defense world: a "safety-tuned" base, the bundled goals, the embedded Llama-Guard-style judge and the
+# defender's reward (mode_defaults copies it for each mode that uses it).
+DEFENSE_WORLD: dict[str, dict[str, Any]] = {
+    "model": {"policy": "embedded:tiny-qwen3-safe"},
+    "data": {"source": "bundled:goals.jsonl", "prompt_column": "goal", "id_column": "goal_id"},
+    "reward": {
+        "scorer": "embedded:tiny-guard",
+        "harm_weight": 0.0,
+        "safety_weight": 1.0,
+        "entropy_weight": 0.05,
+        "repetition_weight": 0.0,
+        # A refusal costs 0.3, so a safe answer beats a refusal and a refusal beats an unsafe answer. Without it,
+        # safety + entropy minimisation pays refusals best (safe and confident): on the embedded world the defender
+        # then refuses every benign prompt after ~30 iterations (measured: over-refusal 4 % -> 100 %, benign
+        # perplexity x1.7).
+        "refusal_weight": 0.3,
+    },
+}
+
 # The defaults of each mode that differ from the attack defaults above (the field defaults): a config file and
 # --set overrides go on top. The embedded defense world: a "safety-tuned" base, the bundled goals and SFT pairs,
 # the embedded Llama-Guard-style judge.
@@ -764,35 +783,13 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     },
     "defense": {
         "run": {"mode": "defense", "name": "defense", "iterations": 12, "early_stop_reward": None},
-        "model": {"policy": "embedded:tiny-qwen3-safe"},
-        "data": {"source": "bundled:goals.jsonl", "prompt_column": "goal", "id_column": "goal_id"},
-        "reward": {
-            "scorer": "embedded:tiny-guard",
-            "harm_weight": 0.0,
-            "safety_weight": 1.0,
-            "entropy_weight": 0.05,
-            "repetition_weight": 0.0,
-            # A refusal costs 0.3, so a safe answer beats a refusal and a refusal beats an unsafe answer. Without
-            # it, safety + entropy minimisation pays refusals best (safe and confident): on the embedded world the
-            # defender then refuses every benign prompt after ~30 iterations (measured: over-refusal 4 % -> 100 %,
-            # benign perplexity x1.7).
-            "refusal_weight": 0.3,
-        },
+        **DEFENSE_WORLD,
     },
-    # Active Attacks in the embedded defense world: its base, goals and judge; the victim's reward is not trained on
-    # (the score stage's harm is the attacker's), so the weights are defense's.
+    # Active Attacks in the embedded defense world; the victim's reward is not trained on (the score stage's harm is
+    # what the attacker is paid), so its weights are defense's.
     "active": {
         "run": {"mode": "active", "name": "active", "iterations": 12, "early_stop_reward": None},
-        "model": {"policy": "embedded:tiny-qwen3-safe"},
-        "data": {"source": "bundled:goals.jsonl", "prompt_column": "goal", "id_column": "goal_id"},
-        "reward": {
-            "scorer": "embedded:tiny-guard",
-            "harm_weight": 0.0,
-            "safety_weight": 1.0,
-            "entropy_weight": 0.05,
-            "repetition_weight": 0.0,
-            "refusal_weight": 0.3,
-        },
+        **DEFENSE_WORLD,
         "active": {"learning_rate": 3e-3},
     },
 }
