@@ -790,7 +790,15 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "active": {
         "run": {"mode": "active", "name": "active", "iterations": 12, "early_stop_reward": None},
         **DEFENSE_WORLD,
-        "active": {"learning_rate": 3e-3},
+        # The refusals the embedded world's corpus holds (its tokenizer and judge know their words): with all eight
+        # bundled ones the tiny victim learnt half-formed refusals that went on in the attack's words, which the judge
+        # scored unsafe (bench/README.md 13). Ten passes at SFT's learning rate learn them (at five, the first
+        # hardening of two seeds in three left the victim less safe than before).
+        "active": {
+            "learning_rate": 3e-3,
+            "harden_epochs": 10,
+            "refusals": "bundled:refusals.jsonl?refusal_id=r01&refusal_id=r02",
+        },
     },
 }
 
