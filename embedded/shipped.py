@@ -45,12 +45,17 @@ BUILD_MODULES = (
 )
 
 
+# Bundled resources that no build reads: a change to them asks for no new weights.
+NOT_BUILD_SOURCES = ("refusals.jsonl",)  # Active Attacks' hardening targets (core/config.py: ActiveConfig.refusals)
+
+
 def source_digest() -> str:
     """SHA-256 over what the builds are made of: the build modules and the bundled resources they read."""
     package = Path(__file__).resolve().parent
     resources = package.parent / "core" / "resources"
     digest = hashlib.sha256()
-    for path in [*(package / name for name in BUILD_MODULES), *sorted(resources.glob("*.json*"))]:
+    read = [path for path in sorted(resources.glob("*.json*")) if path.name not in NOT_BUILD_SOURCES]
+    for path in [*(package / name for name in BUILD_MODULES), *read]:
         digest.update(f"{path.parent.name}/{path.name}\0".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()

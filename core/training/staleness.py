@@ -46,12 +46,12 @@ def check_staleness(
     versions: Iterable[int], iteration: int, max_staleness: int, what: str = "rollouts", starts_from: int | None = None
 ) -> None:
     """Refuse rows for iteration `iteration`'s update whose adapter version lies outside
-    [iteration - 1 - max_staleness, iteration - 1]; or, where the update starts from other weights than those after
-    iteration - 1 (`starts_from`: a role restarted from its initial checkpoint, -1), other than `starts_from`."""
+    [newest - max_staleness, newest], newest being the version the update starts from: `starts_from` where given (a
+    role restarted from its initial checkpoint: -1), else iteration - 1."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be 0 or more, got {max_staleness}")
     newest = iteration - 1 if starts_from is None else starts_from
-    oldest = newest - max_staleness if starts_from is None else starts_from
+    oldest = newest - max_staleness
     drawn = sorted(set(versions))
     outside = [v for v in drawn if not oldest <= v <= newest]
     if outside:

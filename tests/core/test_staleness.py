@@ -38,3 +38,5 @@ def test_a_role_restarted_from_its_initial_checkpoint_trains_on_rows_of_those_we
         check_staleness([4], iteration=5, max_staleness=0, starts_from=-1)
     assert staleness_of(-1, 5, starts_from=-1) == 0
     assert staleness_of(-1, 5) == 5
+    # a role that starts from the weights after iteration - 1, named explicitly, keeps the whole window of its bound
+    check_staleness([3, 4], iteration=5, max_staleness=1, starts_from=4)
