@@ -519,6 +519,15 @@ class ActiveConfig(AttackerConfig):
     batch_size: int = Field(16, gt=0)
     """Found attacks per optimizer step of a hardening (training.micro_batch_size per forward)."""
 
+    def hardens_after(self, iteration: int) -> bool:
+        """Whether the victim is hardened at the end of `iteration`: the last iteration of each round (the schedule
+        of the harden stage and of the attacker's restart, which follows a hardening).
+
+        >>> [i for i in range(9) if ActiveConfig(harden_every=3).hardens_after(i)]
+        [2, 5, 8]
+        """
+        return (iteration + 1) % self.harden_every == 0
+
 
 class DialogueConfig(_Section):
     """Multi-turn dialogues (docs/dialogues.md): after the policy answers its prompt, an attacker writes the next user

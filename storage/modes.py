@@ -194,7 +194,7 @@ def _hardening_line(iteration: int, row: dict[str, Any]) -> str:
 def _after_a_hardening(cfg: Config, role: str, iteration: int) -> bool:
     """Active Attacks' attacker starts each round after the first over from its initial checkpoint."""
     a = cfg.active
-    return role == ATTACKER and a.reset_attacker and iteration > 0 and iteration % a.harden_every == 0
+    return role == ATTACKER and a.reset_attacker and iteration > 0 and a.hardens_after(iteration - 1)
 
 
 ACTIVE_MODE = Mode(

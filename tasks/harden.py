@@ -23,7 +23,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.config import ActiveConfig, Config
+from redteam_grpo.core.config import Config
 from redteam_grpo.core.data.sources import DataError, parse_source, read_source
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
@@ -36,16 +36,6 @@ from redteam_grpo.tasks.common import run_table_stage
 from redteam_grpo.tasks.resources import resources_for
 
 REFUSAL_COLUMN = "refusal"  # the column of active.refusals unless its `?column=` names another
-
-
-def hardens_after(active: ActiveConfig, iteration: int) -> bool:
-    """Whether the victim is hardened at the end of `iteration`: the last iteration of each round.
-
-    >>> from redteam_grpo.core.config import ActiveConfig
-    >>> [i for i in range(9) if hardens_after(ActiveConfig(harden_every=3), i)]
-    [2, 5, 8]
-    """
-    return (iteration + 1) % active.harden_every == 0
 
 
 def found_attacks(run: RunDir, iteration: int, threshold: float) -> list[tuple[str, str]]:
@@ -91,7 +81,7 @@ def harden_stage(run_dir: str, iteration: int) -> str:
     def compute() -> tuple[pa.Table, Any]:
         started = time.perf_counter()
         res.ensure_role(DEFAULT_ROLE, iteration - 1)  # the victim the iteration's responses came from
-        hardened = hardens_after(cfg.active, iteration)
+        hardened = cfg.active.hardens_after(iteration)
         found = found_attacks(run, iteration, cfg.active.harm_threshold) if hardened else []
         train_loss, tokens, steps = float("nan"), 0, 0
         with res.policy.role(DEFAULT_ROLE):
@@ -102,7 +92,6 @@ def harden_stage(run_dir: str, iteration: int) -> str:
                 examples = sft_examples(res.policy, pairs, cfg.model.system_prompt)
                 settings = cfg.training.model_copy(update={"learning_rate": cfg.active.learning_rate})
                 res.roles[DEFAULT_ROLE].optimizer = make_optimizer(res.policy, settings)
-                losses = []
                 for epoch in range(cfg.active.harden_epochs):
                     stats = sft_epoch(
                         res.policy,
@@ -114,9 +103,8 @@ def harden_stage(run_dir: str, iteration: int) -> str:
                         cfg.training.grad_clip,
                         derive_seed(cfg.run.seed, "harden", iteration, epoch),
                     )
-                    losses.append(stats.train_loss)
                     tokens, steps = tokens + stats.train_tokens, steps + stats.steps
-                train_loss = losses[-1]
+                train_loss = stats.train_loss  # the last pass's
             checkpoints.save_adapter(weights[0], res.policy.adapter_state(DEFAULT_ROLE))
             checkpoints.save_optimizer(weights[1], res.optimizer_for(DEFAULT_ROLE))
         res.holds(DEFAULT_ROLE, iteration)

@@ -20,6 +20,8 @@ EXAMPLES_AT_LEAST = {
     "redteam_grpo.core.hosts": 1,
     "redteam_grpo.core.training.staleness": 1,
     "redteam_grpo.server.vllm_client": 1,
+    "redteam_grpo.core.config": 1,
+    "redteam_grpo.core.rollouts.sampling": 1,
 }
 
 
