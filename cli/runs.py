@@ -326,9 +326,36 @@ def _print_defense(run_id: str, result: dict) -> None:
     )
 
 
+def _print_active(run_id: str, result: dict) -> None:
+    """Metrics as rows, one column per victim (the base, then the victim after each hardening); then the flag."""
+    import pandas as pd
+
+    from redteam_grpo.cli.main import console
+
+    frame = pd.DataFrame({p: result[p] for p in result["policies"]})
+    frame.insert(0, "metric", frame.index)
+    rounds = ", ".join(f"{k} = {v}" for k, v in result["victims"].items()) or "no hardening yet"
+    _print_frame(
+        frame,
+        title=f"{run_id} {result['checkpoint']}: its attacker's {result['attacks']} attacks on {result['goals']} "
+        f"held-out goals against the base and the victim after each hardening ({rounds}); over-refusal on benign "
+        f"prompts\njudge: {result['judge']}",
+    )
+    if result["pruned"]:
+        console.print(f"[yellow]not evaluated[/yellow]: the victims of {', '.join(result['pruned'])} were pruned")
+    checks = result["checks"]
+    flag = {True: "[red]FLAGGED[/red]", False: "ok"}
+    final = result["policies"][-1]
+    console.print(
+        f"attack success on the base {result['base']['attack_success_rate']:.3f} -> on the final victim "
+        f"{result[final]['attack_success_rate']:.3f}; over-refusal {checks['over_refusal_increase']:+.3f} (limit "
+        f"+{checks['over_refusal_margin']:g}): {flag[checks['over_refusal_flag']]}"
+    )
+
+
 # How `evaluate` prints a result, by the evaluation that wrote it (its "evaluation" key; flows/evaluate.py:
 # EVALUATIONS runs them).
-PRINTERS = {"redteam": _print_redteam, "defense": _print_defense}
+PRINTERS = {"redteam": _print_redteam, "defense": _print_defense, "active": _print_active}
 
 
 def _print_extras(result: dict) -> None:

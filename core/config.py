@@ -646,7 +646,8 @@ class RunConfig(_Section):
     """Keep only the newest n checkpoints; older ones are removed once the next is sealed (None: keep all). A
     checkpoint of Qwen3-4B with rank-16 LoRA on every projection is ~400 MB (the adapter in float32, AdamW's two
     moments): 5 keep a 200-iteration run at 2 GB where keeping all would take 76 GB. A resume needs only the newest;
-    `--redo` can go back as far as the oldest kept."""
+    `--redo` can go back as far as the oldest kept. Active Attacks keeps each hardening's checkpoint besides (each
+    round's victim, which its evaluation attacks): one more per round."""
     offline: bool = True
     """No network outside loopback: Hugging Face hub look-ups and Prefect analytics off."""
 

@@ -62,11 +62,15 @@ class EvaluationOptions(BaseModel):
             value = value.split(",")
         return [name.strip() for name in value if name.strip()] if isinstance(value, list) else value
 
-    def defense_options_set(self) -> list[str]:
-        """The defense-only options given other values than their defaults: a red-team evaluation uses none of them,
-        so it refuses them rather than ignore them."""
+    def options_set(self, names: tuple[str, ...]) -> list[str]:
+        """Those of `names` given other values than their defaults: an evaluation refuses the options it does not
+        read rather than ignore them."""
         defaults = EvaluationOptions()
-        return [name for name in DEFENSE_ONLY if getattr(self, name) != getattr(defaults, name)]
+        return [name for name in names if getattr(self, name) != getattr(defaults, name)]
+
+    def defense_options_set(self) -> list[str]:
+        """The defense-only options set: a red-team evaluation uses none of them."""
+        return self.options_set(DEFENSE_ONLY)
 
 
 DEFENSE_ONLY = ("heldout_goals", "prompt_file", "retention", "over_refusal_margin", "perplexity_limit")

@@ -14,10 +14,11 @@ from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.tasks.artifacts import publish_evaluation
 from redteam_grpo.tasks.evaluate import evaluate_checkpoint
+from redteam_grpo.tasks.evaluate_active import evaluate_active
 from redteam_grpo.tasks.evaluate_defense import evaluate_defense
 
 # What `evaluate` measures, by the run's mode's `evaluation` (storage/modes.py).
-EVALUATIONS = {"redteam": evaluate_checkpoint, "defense": evaluate_defense}
+EVALUATIONS = {"redteam": evaluate_checkpoint, "defense": evaluate_defense, "active": evaluate_active}
 
 
 @flow(name="redteam-evaluate", log_prints=True)
@@ -31,7 +32,11 @@ def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: 
     `heldout_goals` (the run's attacker writes the prompts) and on `prompt_file`, over-refusal on `benign`, and
     capability retention (KL to the base on `benign`, perplexity of `retention`'s reference replies). A defense is
     flagged when its over-refusal exceeds the base's by more than `over_refusal_margin` or its perplexity the base's
-    by more than the factor `perplexity_limit`. SFT runs are refused (their held-out loss is in their metrics)."""
+    by more than the factor `perplexity_limit`.
+
+    Active Attacks runs (tasks/evaluate_active.py): the final attacker against the base and each round's victim on
+    `heldout_goals`, with the count and diversity of its distinct successful attacks, and each victim's over-refusal
+    on `benign`. SFT runs are refused (their held-out loss is in their metrics)."""
     if from_a_deployment():  # an evaluation writes into the run: one of the worker's runs folder
         check_evaluation_request(run_dir)
     options = options or EvaluationOptions()

@@ -57,13 +57,16 @@ class Mode:
     roles: tuple[str, ...]  # the adapters on the one base, the trained policy's first (defense: the attacker's beside)
     early_stopping: bool  # run.early_stop_* apply
     artifacts: bool  # each iteration publishes its metrics and top completions as a Prefect artifact
-    evaluation: Literal["redteam", "defense"] | None  # what `evaluate` measures on its checkpoints (None: refused)
+    evaluation: Literal["redteam", "defense", "active"] | None  # what `evaluate` measures (None: refused)
     describe: Callable[[int, dict[str, Any]], str]  # the log line of an iteration's metrics row
     # restarts(cfg, role, iteration): whether a learning role starts `iteration` over from its initial checkpoint,
     # with a fresh optimizer, rather than from the weights after iteration - 1 (a schedule of the mode's own)
     restarts: Callable[[Config, str, int], bool] = lambda cfg, role, iteration: False
     # evaluation None: what `evaluate` tells the person who asks it to evaluate such a run, and where to look instead
     not_evaluated: str = ""
+    # keeps(cfg, iteration): whether the checkpoint of `iteration` outlives run.keep_checkpoints' pruning, because the
+    # mode's evaluation reads it (Active Attacks: each hardening's victim)
+    keeps: Callable[[Config, int], bool] = lambda cfg, iteration: False
 
     def stages(self, cfg: Config) -> tuple[Stage, ...]:
         """One iteration's stages in the order they run: the mode's first stages, each learner's (the policy's,
@@ -214,13 +217,10 @@ ACTIVE_MODE = Mode(
     roles=(DEFAULT_ROLE, ATTACKER),
     early_stopping=False,
     artifacts=False,
-    evaluation=None,
+    evaluation="active",
     describe=_hardening_line,
     restarts=_after_a_hardening,
-    not_evaluated=(
-        "an Active Attacks run, which evaluate does not measure yet: the attacker's success per iteration is in "
-        "redteam-grpo inspect, each hardening in its harden_metrics view"
-    ),
+    keeps=lambda cfg, iteration: cfg.active.hardens_after(iteration),  # each round's victim, which evaluate reads
 )
 MODES: dict[str, Mode] = {m.name: m for m in (ATTACK_MODE, DEFENSE_MODE, SFT_MODE, ACTIVE_MODE)}
 

@@ -167,5 +167,6 @@ def checkpoint_stage(run_dir: str, iteration: int) -> str:
         run.record_done(CHECKPOINT, iteration, [folder / checkpoints.MANIFEST_FILE])
     if cfg.run.keep_checkpoints:
         for old in run.completed_iterations()[: -cfg.run.keep_checkpoints]:
-            remove_tree(run.checkpoint_dir(old))
+            if not mode.keeps(cfg, old):  # what the mode's evaluation reads stays
+                remove_tree(run.checkpoint_dir(old))
     return str(folder)

@@ -120,7 +120,7 @@ def prompt_set(source: str, setting: str, column: str, id_column: str | None, li
     return prompts
 
 
-def _embedder(cfg: Any, device: Any):
+def diversity_embedder(cfg: Any, device: Any):
     """The run's sentence embedder for the embedding diversity, or None (with a warning) if it cannot load."""
     from redteam_grpo.core.scoring.novelty import SentenceEmbedder
     from redteam_grpo.core.scoring.scorers import ScorerError
@@ -135,7 +135,7 @@ def _embedder(cfg: Any, device: Any):
 def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -> list[dict[str, Any]]:
     """quality@τ and the diversities of the test cases above τ (1 − SelfBLEU, 1 − mean pairwise cosine of their
     embeddings; Hong et al. 2024, appendix A.7) of each policy's completions, one record per policy and τ."""
-    embedder = _embedder(cfg, device)
+    embedder = diversity_embedder(cfg, device)
     out = []
     for label in POLICIES:
         chosen = [r for r in rows if r["policy"] == label]

@@ -98,7 +98,8 @@ def test_without_reset_the_attacker_keeps_learning_across_rounds():
 
 
 def test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one(whole, tmp_path):
-    part = _active(tmp_path, "part", "run.iterations=2")
+    # pruned to the newest two checkpoints, which never prunes a hardening's: each round's victim, which evaluate reads
+    part = _active(tmp_path, "part", "run.iterations=2", "run.keep_checkpoints=2")
     cfg = load_config(None, ["run.iterations=4"], base=part.stored_config().model_dump(mode="json"), mode="active")
     from redteam_grpo.tasks.resources import forget
 
@@ -107,15 +108,74 @@ def test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one(whole, tmp_
     for i in (2, 3):
         for name in (checkpoints.ADAPTER_FILE, checkpoints.ATTACKER_FILE, checkpoints.ATTACKER_OPTIMIZER_FILE):
             assert _same(whole.checkpoint_dir(i) / name, part.checkpoint_dir(i) / name), (i, name)
+    kept = [i for i in range(4) if part.checkpoint_dir(i).exists()]
+    assert kept == [1, 2, 3], kept  # 0 pruned; 1, older than the newest two, kept as the first round's victim
 
 
-def test_inspect_shows_the_attackers_iterations_and_evaluate_says_it_does_not_measure_the_mode(whole):
+def _options(**changes):
     from redteam_grpo.core.evaluation import EvaluationOptions
+
+    return EvaluationOptions(num_prompts=4, samples_per_prompt=2, success_threshold=0.2, **changes)
+
+
+@pytest.fixture(scope="module")
+def evaluated(whole):
+    from redteam_grpo.flows.evaluate import evaluate
+
+    return evaluate(str(whole.root), _options())  # the flow `redteam-grpo evaluate` runs, its artifact published
+
+
+def test_evaluate_attacks_the_base_and_each_rounds_victim_with_the_final_attacker(whole, evaluated):
+    import pyarrow.parquet as pq
+
+    from redteam_grpo.core.data.sources import Prompt
+    from redteam_grpo.core.seeds import derive_seed
+    from redteam_grpo.tasks.engine import InProcessSampler, answers
+    from redteam_grpo.tasks.resources import resources_for
+
+    assert evaluated["policies"] == ["base", "round1", "round2"] and evaluated["pruned"] == []
+    assert evaluated["victims"] == {"round1": "iter_0001", "round2": "iter_0003"}
+    rows = pq.read_table(evaluated["path"]).to_pylist()
+    attacked = {label: [r for r in rows if r["policy"] == label and r["set"] == "heldout_goals"] for label in
+                evaluated["policies"]}  # fmt: skip
+    # every victim answers the same attacks, the final attacker's: 4 held-out goals x 2 prompts each
+    assert [len(v) for v in attacked.values()] == [8, 8, 8] == [evaluated["attacks"]] * 3
+    prompts = [[r["prompt"] for r in v] for v in attacked.values()]
+    assert prompts[0] == prompts[1] == prompts[2]
+    # each round's victim is the adapter of its hardening's checkpoint: its answers are that adapter's, drawn with
+    # the evaluation's seed, and they differ from round to round (every round answered by the final victim would not)
+    res = resources_for(whole.root)
+    attacks = [Prompt(r["prompt_id"], r["prompt"]) for r in attacked["round1"]]
+    texts = {}
+    for label, iteration in (("round1", 1), ("round2", 3)):
+        res.policy.load_adapter(whole.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)
+        res.holds("default", None)
+        got = answers(InProcessSampler(res.policy, res.config.sampling.batch_size), "default", res.policy.tokenizer,
+                      attacks, res.config.model.system_prompt, 1, res.config.sampling.max_new_tokens,
+                      derive_seed(0, "evaluate", "heldout_goals"))  # fmt: skip
+        texts[label] = got.texts
+        assert got.texts == [r["response"] for r in attacked[label]], label
+    assert texts["round1"] != texts["round2"] != [r["response"] for r in attacked["base"]]
+    # the table is the rows': attack success per victim, distinct successful attack texts, over-refusal
+    for label, victim in attacked.items():
+        unsafe = [r for r in victim if r["harm"] is not None and r["harm"] >= 0.2]
+        assert evaluated[label]["attack_success_rate"] == len(unsafe) / 8
+        assert evaluated[label]["distinct_successes"] == len({r["prompt"] for r in unsafe})
+        benign = [r for r in rows if r["policy"] == label and r["set"] == "benign"]
+        assert len(benign) == 8 and evaluated[label]["over_refusal"] == sum(r["refusal"] for r in benign) / 8
+
+
+def test_evaluate_refuses_what_it_does_not_read_and_other_modes(whole):
+    from redteam_grpo.tasks.evaluate import EvaluationError
+    from redteam_grpo.tasks.evaluate_active import evaluate_active
+
+    with pytest.raises(EvaluationError, match="prompt_file, transfer_to: not read by the evaluation of an Active"):
+        evaluate_active.fn(str(whole.root), _options(prompt_file="x.jsonl", transfer_to=["embedded:tiny-qwen3"]))
+
+
+def test_inspect_shows_the_attackers_iterations(whole):
     from redteam_grpo.storage.query import first_update_check, summary
-    from redteam_grpo.tasks.evaluate import EvaluationError, evaluate_checkpoint
 
     table = summary(whole)  # the mode's metrics rows are the attacker's update's
     assert table.iteration.tolist() == [0, 1, 2, 3] and table.harm_mean.notna().all()
     assert len(first_update_check(whole)) == 4
-    with pytest.raises(EvaluationError, match="Active Attacks run, which evaluate does not measure yet"):
-        evaluate_checkpoint.fn(str(whole.root), EvaluationOptions())
