@@ -238,6 +238,20 @@ BUG_CLASSES = [
         "tests/flows/test_active.py::test_the_victim_is_hardened_at_each_rounds_end_on_the_attacks_found_and_is_unchanged_between",
     ),
     (
+        "round-victim-pruned",
+        "tasks/checkpoint.py",
+        "            if not mode.keeps(cfg, old):",
+        "            if True:",
+        "tests/flows/test_active.py::test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one",
+    ),
+    (
+        "every-round-evaluated-as-the-final-victim",
+        "tasks/evaluate_active.py",
+        "            policy.load_adapter(run.checkpoint_dir(checkpoint) / checkpoints.ADAPTER_FILE)",
+        "            policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ADAPTER_FILE)",
+        "tests/flows/test_active.py::test_evaluate_attacks_the_base_and_each_rounds_victim_with_the_final_attacker",
+    ),
+    (
         "sampler-engine-orphaned-on-stop",
         "cli/serve.py",
         "        os.execvpe(command[0], command, {**os.environ, **env})",
