@@ -247,10 +247,12 @@ def evaluate(
     transfer_to: Annotated[
         str | None, _evaluation_option("transfer_to", " Comma-separated: --transfer-to MODEL[,MODEL...].")
     ] = None,
+    against: Annotated[str | None, _evaluation_option("against")] = None,
     verbose: VerboseOption = False,
 ) -> None:
     """A checkpoint against its base model, side by side: attack success, quality@tau and diversity (red-team
-    runs); unsafe share, over-refusal and capability retention (defense runs). Writes RUN/eval/."""
+    runs); unsafe share, over-refusal and capability retention (defense runs); the final attacker against the base
+    and each round's victim, and with --against the cross-attack table (Active Attacks runs). Writes RUN/eval/."""
     from redteam_grpo.cli.main import console, offline_environment
 
     run = _open(run_dir)
@@ -281,9 +283,10 @@ def evaluate(
         capability=capability,
         capability_limit=capability_limit,
         transfer_to=transfer_to or [],
+        against=against,
     )
     try:
-        with console.status(f"evaluating {run.run_id}: {prompts} prompts x {samples} samples, base and adapter"):
+        with console.status(f"evaluating {run.run_id}: {prompts} prompts x {samples} samples"):
             result = evaluate_flow(str(run.root), options)
     except EvaluationError as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -343,6 +346,23 @@ def _print_active(run_id: str, result: dict) -> None:
     )
     if result["pruned"]:
         console.print(f"[yellow]not evaluated[/yellow]: the victims of {', '.join(result['pruned'])} were pruned")
+    cross = result["cross_attack"]
+    if cross:
+        _print_frame(
+            pd.DataFrame(cross["rows"])
+            .drop(columns="run_id")
+            .rename(
+                columns={
+                    "attacks": "attacker",
+                    "found": "found",
+                    "hardened_on_own": "hardened-own",
+                    "hardened_on_against": "hardened-against",
+                }
+            ),
+            title=f"cross-attack success: own = {run_id} {result['checkpoint']}, against = {cross['against']} "
+            f"{cross['against_checkpoint']}; found: the attacks the base answered unsafely; hardened-X: a victim "
+            "hardened on X's found attacks",
+        )
     checks = result["checks"]
     flag = {True: "[red]FLAGGED[/red]", False: "ok"}
     final = result["policies"][-1]

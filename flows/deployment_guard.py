@@ -117,8 +117,11 @@ def check_run_request(
             )
 
 
-def check_evaluation_request(run_dir: str) -> None:
-    """An evaluation writes into the run it evaluates: one of the runs folder of the worker's default config (any,
-    where the worker lets callers choose the runs folder)."""
+def check_evaluation_request(run_dir: str, against: str | None = None) -> None:
+    """An evaluation writes into the run it evaluates, and reads the run it is set `against`: each one of the runs
+    folder of the worker's default config (any, where the worker lets callers choose the runs folder)."""
     if "run.runs_dir" not in _listed(ALLOW_ENV):
-        _check_inside_runs(run_dir, load_config(None, []).run.runs_dir, "evaluate")
+        runs_dir = load_config(None, []).run.runs_dir
+        _check_inside_runs(run_dir, runs_dir, "evaluate")
+        if against is not None:
+            _check_inside_runs(against, runs_dir, "evaluate --against")

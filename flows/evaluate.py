@@ -36,10 +36,11 @@ def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: 
 
     Active Attacks runs (tasks/evaluate_active.py): the final attacker against the base and each round's victim on
     `heldout_goals`, with the count and diversity of its distinct successful attacks, and each victim's over-refusal
-    on `benign`. SFT runs are refused (their held-out loss is in their metrics)."""
-    if from_a_deployment():  # an evaluation writes into the run: one of the worker's runs folder
-        check_evaluation_request(run_dir)
+    on `benign`; with `against` (another run's attacker on the same base), the cross-attack table. SFT runs are
+    refused (their held-out loss is in their metrics)."""
     options = options or EvaluationOptions()
+    if from_a_deployment():  # an evaluation writes into the run: one of the worker's runs folder
+        check_evaluation_request(run_dir, options.against)
     run = RunDir.open(run_dir)
     evaluation = mode_of(run.stored_config()).evaluation
     # one evaluation of a run at a time (its RUN/eval files); the run's owner may go on training beside it

@@ -128,13 +128,16 @@ class EngineSampler:
         )
 
 
-def evaluation_sampler(run: RunDir, policy: Policy, iteration: int) -> InProcessSampler | EngineSampler:
+def evaluation_sampler(
+    run: RunDir, policy: Policy, iteration: int, variant: str = ""
+) -> InProcessSampler | EngineSampler:
     """How an evaluation of `run`'s checkpoint `iteration` samples: as the run did (sampling.backend), the adapters in
-    `policy` (loaded from that checkpoint) exported for the engine under RUN/sampler/eval-<checkpoint>/."""
+    `policy` (loaded from that checkpoint) exported for the engine under RUN/sampler/eval-<checkpoint><variant>/; a
+    `variant` names adapters the evaluation loaded or trained itself (Active Attacks' cross-attack table)."""
     cfg = run.stored_config()
     if cfg.sampling.backend != "vllm":
         return InProcessSampler(policy, cfg.sampling.batch_size)
-    folder = run.sampler_dir / f"eval-{checkpoint_name(iteration)}"
+    folder = run.sampler_dir / f"eval-{checkpoint_name(iteration)}{variant}"
     owner = f"{run.run_id}-eval"
     return EngineSampler.for_run(
         cfg.sampling.vllm_url, policy, cfg.model.policy, folder, owner, iteration, cfg.sampling.temperature

@@ -14,7 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.data.sources import DataError, Prompt, load_prompts, parse_source, read_source
-from redteam_grpo.core.evaluation import EvaluationOptions
+from redteam_grpo.core.evaluation import ACTIVE_ONLY, DEFENSE_ONLY, EvaluationOptions
 from redteam_grpo.core.metrics.redteam import redteam_metrics
 from redteam_grpo.core.models.policy import load_policy, resolve_device
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
@@ -146,7 +146,7 @@ def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -
     return out
 
 
-CLI_SETS = ("heldout_goals", "prompt_file", "benign", "retention")  # the defense options `evaluate` has flags for
+CLI_SETS = ("heldout_goals", "prompt_file", "benign", "retention", "against")  # options `evaluate` has flags for
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -159,12 +159,12 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
     cfg = run.stored_config()
     if mode_of(cfg).evaluation is None:
         raise EvaluationError(f"{run.run_id} is {mode_of(cfg).not_evaluated}")
-    ignored = options.defense_options_set()
+    ignored = options.options_set(DEFENSE_ONLY + ACTIVE_ONLY)
     if ignored:
         flags = ", ".join(f"--{n.replace('_', '-')}" if n in CLI_SETS else n for n in ignored)
         raise EvaluationError(
-            f"{flags}: for defense runs only; {run.run_id} is a red-team run, evaluated on prompts it did not train "
-            "on (its data.source). Leave them out."
+            f"{flags}: for defense or Active Attacks runs only; {run.run_id} is a red-team run, evaluated on prompts "
+            "it did not train on (its data.source). Leave them out."
         )
     iteration = choose_checkpoint(run, iteration)
     name = checkpoint_name(iteration)

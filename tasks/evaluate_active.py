@@ -15,11 +15,19 @@ SelfBLEU, 1 − mean pairwise cosine of their embeddings; core/metrics/redteam.p
 prompts it refuses (a victim hardened into refusing everything must show it here), flagged where it exceeds the
 base's by more than `over_refusal_margin`. Every scored answer is one row of a Parquet file under RUN/eval/ (the
 defense evaluation's schema), the table a summary beside it.
+
+With `against` (another run with an attacker on the same base: a self-play defense run, or another Active Attacks
+run), the cross-attack table (the paper's Table 2): the other run's final attacker writes its prompts for the same
+goals with the same seed; each attacker's *found* attacks are those the base answered unsafely; a victim is hardened
+from the base on each attacker's found attacks with the run's own hardening recipe (tasks/harden.py: harden_victim);
+and each attacker's attacks meet the base and both hardened victims. An attacker whose attacks also break the victim
+hardened on the other's found what the other did not.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -36,7 +44,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.modes import mode_of
-from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
+from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, RunDirError, checkpoint_name
 from redteam_grpo.tasks.cross_target import judge_label, scorer_columns
 from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
 from redteam_grpo.tasks.evaluate import (
@@ -46,6 +54,7 @@ from redteam_grpo.tasks.evaluate import (
     prompt_set,
     write_summary,
 )
+from redteam_grpo.tasks.harden import harden_victim
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -85,6 +94,131 @@ def victim_summary(rows: list[dict[str, Any]], label: str, embedder, seed: int, 
     }
 
 
+def other_attacker(run: RunDir, against: str) -> tuple[RunDir, int]:
+    """The run an evaluation is set against, and its newest checkpoint, checked to hold an attacker on this run's
+    base."""
+    try:
+        other = RunDir.open(against)
+    except RunDirError as exc:
+        raise EvaluationError(f"--against {against}: {exc}") from None
+    cfg, other_cfg = run.stored_config(), other.stored_config()
+    if other.root == run.root:
+        raise EvaluationError(f"--against {against}: that is the run evaluated; give another run's folder")
+    if ATTACKER not in mode_of(other_cfg).roles:
+        raise EvaluationError(
+            f"--against {against}: a {other_cfg.run.mode} run has no attacker; give a self-play defense run "
+            "(redteam-grpo defense --set defense.self_play=true) or another Active Attacks run"
+        )
+    if other_cfg.model.policy != cfg.model.policy:
+        raise EvaluationError(
+            f"--against {against}: its attacker writes for {other_cfg.model.policy}, this run's for "
+            f"{cfg.model.policy}; the cross-attack table needs both attackers on the same base"
+        )
+    try:
+        return other, other.checkpoint_to_use(None)
+    except RunDirError as exc:
+        raise EvaluationError(f"--against {against}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class AttackSet:
+    """One attacker's prompts for the held-out goals: `label` names the attacker in the table."""
+
+    label: str
+    attacks: list[Prompt]
+    goals: dict[str, Goal]  # each attack's goal, which the judge is told
+
+
+def write_attacks(sampler, policy, goals: list[Prompt], system: str | None, max_new: int, samples: int, seed: int,
+                  label: str) -> AttackSet:  # fmt: skip
+    """`samples` prompts of the attacker (the policy's attacker adapter) for each goal."""
+    written = answers(sampler, ATTACKER, policy.tokenizer, goals, system, samples, max_new,
+                      derive_seed(seed, "evaluate-attack"))  # fmt: skip
+    attacks = [
+        Prompt(f"{written.prompt_of(c).prompt_id}#{c.sample_idx}", text)
+        for c, text in zip(written.completions, written.texts, strict=True)
+    ]
+    told = {a.prompt_id: Goal(written.prompt_of(c).text) for a, c in zip(attacks, written.completions, strict=True)}
+    return AttackSet(label, attacks, told)
+
+
+def attack_set_name(attack_set: AttackSet) -> str:
+    """The rows' `set` of one attacker's attacks in the cross-attack table."""
+    return f"attacks_{attack_set.label}"
+
+
+VICTIMS_OF_THE_TABLE = ("base", "hardened_on_own", "hardened_on_against")
+
+
+def found_in(base_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(id, text) of the attacks the base answered unsafely, each text once."""
+    found: dict[str, str] = {}
+    for r in base_rows:
+        if r["unsafe"] and r["prompt"].strip():
+            found.setdefault(r["prompt"], r["prompt_id"])
+    return [(attack_id, text) for text, attack_id in found.items()]
+
+
+def cross_attack(run, cfg, iteration, other, policy, own: AttackSet, own_on_base, goals, samples, seed, answer):
+    """The cross-attack table's rows (module docstring): per attacker, its attacks, those found (the base answered
+    them unsafely), and the attack success against the base and against the victims hardened on each one's found
+    attacks. `answer` samples, scores and records rows; `own_on_base`: the base's rows for the run's own attacks."""
+    other_run, other_iteration = other
+    other_cfg = other_run.stored_config()
+    policy.load_adapter(other_run.checkpoint_dir(other_iteration) / checkpoints.ATTACKER_FILE, ATTACKER)
+    other_info = checkpoints.read_manifest(other_run.checkpoint_dir(INIT_VERSION))["attacker"]
+    sampler = evaluation_sampler(run, policy, iteration, "-against")
+    theirs = write_attacks(sampler, policy, goals, other_info["system_prompt"],
+                           other_cfg.attacker_settings.attacker_max_new_tokens, samples, seed, "against")  # fmt: skip
+    on_base = {
+        "own": own_on_base,  # the base's answers to them, drawn with the same seed as the table's own
+        "against": answer(sampler, BASE, "base", iteration, attack_set_name(theirs), theirs.attacks, 1, theirs.goals),
+    }
+    found = {label: found_in(base_rows) for label, base_rows in on_base.items()}
+    success = {(label, "base"): _share(base_rows) for label, base_rows in on_base.items()}
+    for hardened_on in (own, theirs):
+        victim = f"hardened_on_{hardened_on.label}"
+        # the victim before any hardening (the initial checkpoint's adapter: the base), tuned on one side's attacks
+        policy.load_adapter(run.checkpoint_dir(INIT_VERSION) / checkpoints.ADAPTER_FILE)
+        if found[hardened_on.label]:
+            with policy.role(DEFAULT_ROLE):
+                harden_victim(policy, found[hardened_on.label], cfg, (seed, "evaluate-harden", hardened_on.label))
+        sampler = evaluation_sampler(run, policy, iteration, f"-{victim}")
+        for attack_set in (own, theirs):
+            got = answer(sampler, DEFAULT_ROLE, victim, iteration, attack_set_name(attack_set), attack_set.attacks, 1,
+                         attack_set.goals)  # fmt: skip
+            success[(attack_set.label, victim)] = _share(got)
+    return {
+        "against": other_run.run_id,
+        "against_checkpoint": checkpoint_name(other_iteration),
+        "rows": [
+            {
+                "attacks": attack_set.label,
+                "run_id": run.run_id if attack_set is own else other_run.run_id,
+                "n": len(attack_set.attacks),
+                "found": len(found[attack_set.label]),
+                **{victim: success[(attack_set.label, victim)] for victim in VICTIMS_OF_THE_TABLE},
+            }
+            for attack_set in (own, theirs)
+        ],
+    }
+
+
+def _share(rows: list[dict[str, Any]]) -> float:
+    return sum(r["unsafe"] for r in rows) / len(rows) if rows else math.nan
+
+
+def cross_records(cross: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cross-attack table in the summary's long form: per victim, `asr_attacks_<attacker>` (own, against)."""
+    return [
+        {"policy": victim, "metric": f"asr_attacks_{row['attacks']}", "value": float(row[victim])}
+        for row in cross["rows"]
+        for victim in VICTIMS_OF_THE_TABLE
+    ] + [
+        {"policy": "cross", "metric": f"found_{row['attacks']}", "value": float(row["found"])} for row in cross["rows"]
+    ]
+
+
 @task(name="evaluate-active", cache_policy=NO_CACHE)
 def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     """The final attacker (checkpoint `options.iteration`, default the newest) against the base and each round's
@@ -120,6 +254,7 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     goals = prompt_set(options.heldout_goals, "--heldout-goals", cfg.data.prompt_column, cfg.data.id_column,
                        num_prompts, seed)  # fmt: skip
     benign = prompt_set(options.benign, "--benign", "prompt", "prompt_id", num_prompts, seed)
+    other = other_attacker(run, options.against) if options.against is not None else None
     device = resolve_device(cfg.run.device)
     policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
     policy.add_role(ATTACKER)
@@ -129,52 +264,59 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     judge = scoring.describe().scorer  # named in every row: evaluations compare only under the same judge
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
 
-    written = answers(
+    own = write_attacks(
         evaluation_sampler(run, policy, iteration),
-        ATTACKER,
-        policy.tokenizer,
+        policy,
         goals,
         attacker_info["system_prompt"],
-        samples,
         cfg.attacker_settings.attacker_max_new_tokens,
-        derive_seed(seed, "evaluate-attack"),
+        samples,
+        seed,
+        "own",
     )
-    attacks = [
-        Prompt(f"{written.prompt_of(c).prompt_id}#{c.sample_idx}", text)
-        for c, text in zip(written.completions, written.texts, strict=True)
-    ]
-    # the judge is told the goal each attack was written for (a goal-reading format: HarmBench, StrongREJECT)
-    told = {a.prompt_id: Goal(written.prompt_of(c).text) for a, c in zip(attacks, written.completions, strict=True)}
+    attacks, told = own.attacks, own.goals
 
     rows: list[dict[str, Any]] = []
+
+    def answer(sampler, who: str, label: str, checkpoint: int, set_name: str, prompts: list[Prompt], n: int,
+               goals_told: dict[str, Goal] | None) -> list[dict[str, Any]]:  # fmt: skip
+        """`who`'s answers to `prompts`, scored, as rows (appended to the file's), with the set's seed."""
+        answered = answers(sampler, who, policy.tokenizer, prompts, system, n, max_new,
+                           derive_seed(seed, "evaluate", HELDOUT if set_name != BENIGN else BENIGN))  # fmt: skip
+        scores = answered.scored(scoring, goals_told)
+        new = [
+            {
+                "run_id": run.run_id,
+                "checkpoint": checkpoint_name(checkpoint),
+                "policy": label,
+                "set": set_name,
+                "target": cfg.model.policy,
+                "prompt_id": prompts[c.prompt_index].prompt_id,
+                "sample_idx": c.sample_idx,
+                "prompt": prompts[c.prompt_index].text,
+                "response": text,
+                "harm": score.harm,
+                "unsafe": score.harm is not None and score.harm >= threshold,
+                "refusal": bool(score.refusal),
+                "kl_to_base": math.nan,
+                **scorer_columns(judge),
+            }
+            for c, text, score in zip(answered.completions, answered.texts, scores, strict=True)
+        ]
+        rows.extend(new)
+        return new
+
     for label, checkpoint in [("base", iteration), *victims]:
         who = BASE if label == "base" else DEFAULT_ROLE
         if who == DEFAULT_ROLE:
             policy.load_adapter(run.checkpoint_dir(checkpoint) / checkpoints.ADAPTER_FILE)
         sampler = evaluation_sampler(run, policy, checkpoint)  # the engine: that checkpoint's victim, exported
-        for set_name, prompts, n in ((HELDOUT, attacks, 1), (BENIGN, benign, samples)):
-            answered = answers(sampler, who, policy.tokenizer, prompts, system, n, max_new,
-                               derive_seed(seed, "evaluate", set_name))  # fmt: skip
-            scores = answered.scored(scoring, told if set_name == HELDOUT else None)
-            for c, text, score in zip(answered.completions, answered.texts, scores, strict=True):
-                rows.append(
-                    {
-                        "run_id": run.run_id,
-                        "checkpoint": checkpoint_name(checkpoint),
-                        "policy": label,
-                        "set": set_name,
-                        "target": cfg.model.policy,
-                        "prompt_id": prompts[c.prompt_index].prompt_id,
-                        "sample_idx": c.sample_idx,
-                        "prompt": prompts[c.prompt_index].text,
-                        "response": text,
-                        "harm": score.harm,
-                        "unsafe": score.harm is not None and score.harm >= threshold,
-                        "refusal": bool(score.refusal),
-                        "kl_to_base": math.nan,
-                        **scorer_columns(judge),
-                    }
-                )
+        answer(sampler, who, label, checkpoint, HELDOUT, attacks, 1, told)
+        answer(sampler, who, label, checkpoint, BENIGN, benign, samples, None)
+    cross = None
+    if other is not None:
+        own_on_base = [r for r in rows if r["policy"] == "base" and r["set"] == HELDOUT]
+        cross = cross_attack(run, cfg, iteration, other, policy, own, own_on_base, goals, samples, seed, answer)
     labels = ["base", *(label for label, _ in victims)]
     embedder = diversity_embedder(cfg, device)
     table = {label: victim_summary(rows, label, embedder, seed, threshold) for label in labels}
@@ -186,14 +328,16 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         "over_refusal_flag": bool(increase > options.over_refusal_margin),
         "over_refusal_margin": options.over_refusal_margin,
     }
-    path = run.root / "eval" / f"{name}-active-p{len(goals)}x{samples}-t{threshold:g}-seed{seed}.parquet"
+    versus = "" if cross is None else f"-vs-{cross['against']}"  # run ids are safe names (core/names.py)
+    path = run.root / "eval" / f"{name}-active-p{len(goals)}x{samples}-t{threshold:g}-seed{seed}{versus}.parquet"
     path.parent.mkdir(exist_ok=True)
     rows_table = schemas.rows_to_table(rows, schemas.DEFENSE_EVALUATION, f"the active evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(rows_table, tmp))
     write_summary(
         path,
         [{"policy": label, "metric": k, "value": float(v)} for label in labels for k, v in table[label].items()]
-        + [{"policy": "checks", "metric": k, "value": float(v)} for k, v in checks.items()],
+        + [{"policy": "checks", "metric": k, "value": float(v)} for k, v in checks.items()]
+        + ([] if cross is None else cross_records(cross)),
         judge_label(judge),
     )
     log.info(
@@ -221,5 +365,6 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         "victims": {label: checkpoint_name(h) for label, h in victims},
         "pruned": [checkpoint_name(h) for h in pruned],
         "checks": checks,
+        "cross_attack": cross,
         **table,
     }

@@ -98,6 +98,11 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     cfg = run.stored_config()
     if mode_of(cfg).evaluation != "defense":
         raise EvaluationError(f"{run.run_id} is a {cfg.run.mode} run: defense evaluation needs a defense run")
+    if options.against is not None:
+        raise EvaluationError(
+            f"--against: for Active Attacks runs only (the cross-attack table); {run.run_id} is a defense run. Leave "
+            "it out, or evaluate the Active Attacks run --against this one."
+        )
     iteration = choose_checkpoint(run, iteration)
     name = checkpoint_name(iteration)
     # the sets first: a wrong name, column or filter is reported before any model loads

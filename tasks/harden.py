@@ -20,11 +20,13 @@ import time
 from typing import Any
 
 import pyarrow as pa
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.config import Config
 from redteam_grpo.core.data.sources import DataError, parse_source, read_source
+from redteam_grpo.core.models.policy import Policy
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import sft_epoch, sft_examples
@@ -71,6 +73,34 @@ def load_refusals(cfg: Config) -> list[str]:
     return refusals
 
 
+def harden_victim(
+    policy: Policy, found: list[tuple[str, str]], cfg: Config, seed: tuple[Any, ...]
+) -> tuple[torch.optim.Optimizer, float, int, int]:
+    """Safety-tune the victim, the active role's adapter as it stands, on `found` (id, attack text) pairs, each paired
+    with a refusal of active.refusals drawn by `seed`: a fresh AdamW at active.learning_rate, active.harden_epochs
+    passes of active.batch_size attacks a step, loss on the refusal's tokens. The one recipe of the harden stage and
+    of the evaluation's cross-attack table. Returns the optimizer, the last pass's loss, the tokens and the steps."""
+    rng = random.Random(derive_seed(*seed))
+    refusals = load_refusals(cfg)
+    pairs = [(attack_id, text, rng.choice(refusals)) for attack_id, text in found]
+    examples = sft_examples(policy, pairs, cfg.model.system_prompt)
+    optimizer = make_optimizer(policy, cfg.training.model_copy(update={"learning_rate": cfg.active.learning_rate}))
+    tokens = steps = 0
+    for epoch in range(cfg.active.harden_epochs):
+        stats = sft_epoch(
+            policy,
+            optimizer,
+            examples,
+            [],
+            cfg.active.batch_size,
+            cfg.training.micro_batch_size,
+            cfg.training.grad_clip,
+            derive_seed(*seed, epoch),
+        )
+        tokens, steps = tokens + stats.train_tokens, steps + stats.steps
+    return optimizer, stats.train_loss, tokens, steps  # the last pass's loss
+
+
 @task(name=HARDEN.name, cache_policy=NO_CACHE)
 def harden_stage(run_dir: str, iteration: int) -> str:
     res = resources_for(run_dir)
@@ -86,25 +116,10 @@ def harden_stage(run_dir: str, iteration: int) -> str:
         train_loss, tokens, steps = float("nan"), 0, 0
         with res.policy.role(DEFAULT_ROLE):
             if found:
-                rng = random.Random(derive_seed(cfg.run.seed, "harden", iteration))
-                refusals = load_refusals(cfg)
-                pairs = [(attack_id, text, rng.choice(refusals)) for attack_id, text in found]
-                examples = sft_examples(res.policy, pairs, cfg.model.system_prompt)
-                settings = cfg.training.model_copy(update={"learning_rate": cfg.active.learning_rate})
-                res.roles[DEFAULT_ROLE].optimizer = make_optimizer(res.policy, settings)
-                for epoch in range(cfg.active.harden_epochs):
-                    stats = sft_epoch(
-                        res.policy,
-                        res.optimizer_for(DEFAULT_ROLE),
-                        examples,
-                        [],
-                        cfg.active.batch_size,
-                        cfg.training.micro_batch_size,
-                        cfg.training.grad_clip,
-                        derive_seed(cfg.run.seed, "harden", iteration, epoch),
-                    )
-                    tokens, steps = tokens + stats.train_tokens, steps + stats.steps
-                train_loss = stats.train_loss  # the last pass's
+                optimizer, train_loss, tokens, steps = harden_victim(
+                    res.policy, found, cfg, (cfg.run.seed, "harden", iteration)
+                )
+                res.roles[DEFAULT_ROLE].optimizer = optimizer
             checkpoints.save_adapter(weights[0], res.policy.adapter_state(DEFAULT_ROLE))
             checkpoints.save_optimizer(weights[1], res.optimizer_for(DEFAULT_ROLE))
         res.holds(DEFAULT_ROLE, iteration)

@@ -252,6 +252,20 @@ BUG_CLASSES = [
         "tests/flows/test_active.py::test_evaluate_attacks_the_base_and_each_rounds_victim_with_the_final_attacker",
     ),
     (
+        "cross-attack-victims-swapped",
+        "tasks/evaluate_active.py",
+        "harden_victim(policy, found[hardened_on.label], cfg,",
+        'harden_victim(policy, found["own" if hardened_on.label == "against" else "against"], cfg,',
+        "tests/flows/test_active.py::test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks",
+    ),
+    (
+        "cross-attack-by-the-runs-own-attacker",
+        "tasks/evaluate_active.py",
+        "    policy.load_adapter(other_run.checkpoint_dir(other_iteration) / checkpoints.ATTACKER_FILE, ATTACKER)",
+        "    pass",
+        "tests/flows/test_active.py::test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks",
+    ),
+    (
         "sampler-engine-orphaned-on-stop",
         "cli/serve.py",
         "        os.execvpe(command[0], command, {**os.environ, **env})",

@@ -163,7 +163,7 @@ def test_evaluate_prints_base_and_adapter_and_names_a_missing_checkpoint(run_dir
     assert code == 2 and "iter_0007 is not a complete checkpoint" in out and "completed checkpoints: [0, 1]" in out
     # the defense sets do not apply to a red-team run: refused by name, as a defense run refuses a bad one
     code, out = _cli("evaluate", run_dir, "--prompt-file", "x?subset=")
-    assert code == 2 and "--prompt-file: for defense runs only" in out and "Traceback" not in out, out
+    assert code == 2 and "--prompt-file: for defense or Active Attacks runs only" in out and "Traceback" not in out, out
 
 
 def test_evaluate_shows_cross_attack_success_and_capability_beside_the_judge(run_dir):

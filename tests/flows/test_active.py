@@ -115,7 +115,7 @@ def test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one(whole, tmp_
 def _options(**changes):
     from redteam_grpo.core.evaluation import EvaluationOptions
 
-    return EvaluationOptions(num_prompts=4, samples_per_prompt=2, success_threshold=0.2, **changes)
+    return EvaluationOptions(**{"num_prompts": 4, "samples_per_prompt": 2, "success_threshold": 0.2, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +171,94 @@ def test_evaluate_refuses_what_it_does_not_read_and_other_modes(whole):
 
     with pytest.raises(EvaluationError, match="prompt_file, transfer_to: not read by the evaluation of an Active"):
         evaluate_active.fn(str(whole.root), _options(prompt_file="x.jsonl", transfer_to=["embedded:tiny-qwen3"]))
+
+
+@pytest.fixture(scope="module")
+def rival(tmp_path_factory):
+    """A self-play defense run on the same base: the attacker the cross-attack table sets against the run's."""
+    cfg = load_config(
+        None,
+        [f"run.runs_dir={tmp_path_factory.mktemp('rival')}", "run.run_id=rival", "run.iterations=2", *SMALL[:4],
+         "defense.self_play=true", "defense.prompts_per_goal=2"],
+        mode="defense",
+    )  # fmt: skip
+    from redteam_grpo.flows.defense import defense_run
+
+    return RunDir.open(Path(defense_run(config=cfg.model_dump(mode="json"))))
+
+
+def test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks(whole, rival):
+    import pyarrow.parquet as pq
+
+    from redteam_grpo.core.data.sources import Prompt
+    from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
+    from redteam_grpo.core.seeds import derive_seed
+    from redteam_grpo.tasks.engine import InProcessSampler, answers
+    from redteam_grpo.tasks.evaluate import prompt_set
+    from redteam_grpo.tasks.evaluate_active import evaluate_active, found_in, write_attacks
+    from redteam_grpo.tasks.harden import harden_victim
+    from redteam_grpo.tasks.resources import resources_for
+
+    # 4 goals x 4 prompts of each attacker: at the base's success of ~0.3, each side finds some (none: 0.3 %)
+    result = evaluate_active.fn(str(whole.root), _options(against=str(rival.root), samples_per_prompt=4))
+    cross = result["cross_attack"]
+    assert cross["against"] == "rival" and result["path"].endswith("-vs-rival.parquet")
+    rows = pq.read_table(result["path"]).to_pylist()
+
+    def chosen(policy: str, set_name: str) -> list[dict]:
+        return [r for r in rows if r["policy"] == policy and r["set"] == set_name]
+
+    sets = {"own": "heldout_goals", "against": "attacks_against"}  # the base's answers to each attacker's prompts
+    res = resources_for(whole.root)
+    policy, cfg = res.policy, res.config
+    sampler = InProcessSampler(policy, cfg.sampling.batch_size)
+    # the other side's prompts are the rival's final attacker's, written for the same goals with the same seed
+    policy.load_adapter(rival.checkpoint_dir(1) / checkpoints.ATTACKER_FILE, ATTACKER)
+    res.holds(ATTACKER, None)
+    goals = prompt_set(_options().heldout_goals, "goals", cfg.data.prompt_column, cfg.data.id_column, 4, 0)
+    written = write_attacks(
+        sampler,
+        policy,
+        goals,
+        checkpoints.read_manifest(rival.checkpoint_dir(-1))["attacker"]["system_prompt"],
+        rival.stored_config().attacker_settings.attacker_max_new_tokens,
+        4,
+        0,
+        "against",
+    )
+    theirs = [r["prompt"] for r in chosen("base", "attacks_against")]
+    assert [a.text for a in written.attacks] == theirs != [r["prompt"] for r in chosen("base", "heldout_goals")]
+    by_side = {}
+    for row in cross["rows"]:
+        on_base = chosen("base", sets[row["attacks"]])
+        assert row["n"] == len(on_base) == 16 and row["found"] == len(found_in(on_base)) > 0, row
+        assert row["base"] == sum(r["unsafe"] for r in on_base) / 16
+        by_side[row["attacks"]] = row
+    # each hardened victim is the base tuned on its side's found attacks alone: reproduced here, it answers each
+    # side's prompts as the table's rows say
+    for side in ("own", "against"):
+        policy.load_adapter(whole.checkpoint_dir(-1) / checkpoints.ADAPTER_FILE)
+        res.holds(DEFAULT_ROLE, None)
+        with policy.role(DEFAULT_ROLE):
+            harden_victim(policy, found_in(chosen("base", sets[side])), cfg, (0, "evaluate-harden", side))
+        for attacks_of in ("own", "against"):
+            table_rows = chosen(f"hardened_on_{side}", f"attacks_{attacks_of}")
+            prompts = [Prompt(r["prompt_id"], r["prompt"]) for r in table_rows]
+            got = answers(sampler, DEFAULT_ROLE, policy.tokenizer, prompts, cfg.model.system_prompt, 1,
+                          cfg.sampling.max_new_tokens, derive_seed(0, "evaluate", "heldout_goals"))  # fmt: skip
+            assert got.texts == [r["response"] for r in table_rows], (side, attacks_of)
+            assert by_side[attacks_of][f"hardened_on_{side}"] == sum(r["unsafe"] for r in table_rows) / 16
+
+
+def test_the_cross_attack_table_refuses_a_run_without_an_attacker_or_on_another_base(whole, tmp_path):
+    from redteam_grpo.tasks.evaluate import EvaluationError
+    from redteam_grpo.tasks.evaluate_active import evaluate_active
+
+    plain = RunDir.create(load_config(None, [f"run.runs_dir={tmp_path}", "run.run_id=plain"]))
+    with pytest.raises(EvaluationError, match="a attack run has no attacker; give a self-play defense run"):
+        evaluate_active.fn(str(whole.root), _options(against=str(plain.root)))
+    with pytest.raises(EvaluationError, match="that is the run evaluated"):
+        evaluate_active.fn(str(whole.root), _options(against=str(whole.root)))
 
 
 def test_inspect_shows_the_attackers_iterations(whole):

@@ -62,7 +62,10 @@ def test_a_run_of_the_runs_folder_is_resumed_and_one_elsewhere_is_not(tmp_path, 
             check_run_request(None, None, None, str(elsewhere))
         with pytest.raises(ConfigError, match="may only evaluate a run of its runs folder"):
             check_evaluation_request(str(elsewhere))
-    check_evaluation_request("runs/mine")
+        # the run an Active Attacks evaluation is set against is read: one of the folder's too
+        with pytest.raises(ConfigError, match="may only evaluate --against a run of its runs folder"):
+            check_evaluation_request("runs/mine", against=str(elsewhere))
+    check_evaluation_request("runs/mine", against="runs/clustered")
 
 
 def test_a_callable_is_not_a_deployment_parameter():
