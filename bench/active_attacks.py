@@ -15,6 +15,12 @@ then, for each hardening at iteration h:
                    or above the threshold, from attack_scores), beside those of the round before.
 
 And the run's hardening overhead: the harden stage's seconds (its rows) over the run's wall time (target <= 10 %).
+
+Then the mode's evaluation (`redteam-grpo evaluate RUN --against RIVAL`, tasks/evaluate_active.py) of each seed's run:
+its final attacker's prompts for 16 held-out goals x 4 against the base and each round's victim (attack success,
+distinct successful attacks, 1 - SelfBLEU of them, over-refusal on the bundled benign prompts), and the cross-attack
+table against a self-play defense run of the same seed, size and length (the rival).
+
 Prints one table per seed and a summary line; exit status 0 whatever the figures (they are measurements).
 """
 
@@ -125,7 +131,54 @@ def one_seed(seed: int, args: argparse.Namespace, folder: Path) -> dict:
                 "found_next_round": found_in(run, next_round, threshold) if len(next_round) else None,
             }
         )
+    out["evaluation"] = evaluate_against_a_rival(run, seed, args, folder)
     return out
+
+
+def evaluate_against_a_rival(run, seed: int, args: argparse.Namespace, folder: Path) -> dict:
+    """The run's evaluation with the cross-attack table against a self-play defense run of the same seed and size."""
+    from redteam_grpo.core.config import load_config
+    from redteam_grpo.core.evaluation import EvaluationOptions
+    from redteam_grpo.flows.defense import defense_run
+    from redteam_grpo.tasks.evaluate_active import evaluate_active
+
+    rival = load_config(
+        None,
+        [
+            f"run.runs_dir={folder}",
+            f"run.run_id=rival{seed}",
+            f"run.seed={seed}",
+            f"run.iterations={args.iterations}",
+            *SMALL[:4],
+            "defense.self_play=true",
+            "defense.prompts_per_goal=4",
+            *args.set,
+        ],
+        mode="defense",
+    )
+    rival_dir = defense_run(config=rival.model_dump(mode="json"))
+    threshold = run.stored_config().active.harm_threshold
+    options = EvaluationOptions(num_prompts=16, samples_per_prompt=4, success_threshold=threshold, against=rival_dir)
+    return evaluate_active.fn(str(run.root), options)
+
+
+def print_evaluation(result: dict) -> None:
+    print(f"evaluation ({result['attacks']} attacks of the final attacker on {result['goals']} held-out goals):")
+    print(f"{'victim':>8} {'success':>8} {'distinct':>9} {'1-SelfBLEU':>11} {'over-refusal':>13}")
+    for label in result["policies"]:
+        v = result[label]
+        print(
+            f"{label:>8} {v['attack_success_rate']:>8.3f} {v['distinct_successes']:>9.0f} "
+            f"{v['selfbleu_diversity']:>11.3f} {v['over_refusal']:>13.3f}"
+        )
+    print("cross-attack success (columns: the victim; hardened-X: hardened on X's attacks found on the base):")
+    print(f"{'attacker':>8} {'found':>6} {'base':>6} {'hardened-own':>13} {'hardened-rival':>15}")
+    for row in result["cross_attack"]["rows"]:
+        name = "own" if row["attacks"] == "own" else "rival"
+        print(
+            f"{name:>8} {row['found']:>6} {row['base']:>6.3f} {row['hardened_on_own']:>13.3f} "
+            f"{row['hardened_on_against']:>15.3f}"
+        )
 
 
 def main() -> int:
@@ -159,6 +212,7 @@ def main() -> int:
                     f"{x['before'][1]:>15.2f} {x['after'][1]:>7.2f} {x['before'][2]:>16.2f} {x['after'][2]:>7.2f} "
                     f"{x['found_this_round']:>17} {nxt:>11}"
                 )
+            print_evaluation(r["evaluation"])
     rounds = [x for r in results for x in r["rounds"]]
     safer = sum(x["after"][0] < x["before"][0] for x in rounds)
     refusing = sum(x["after"][2] > x["before"][2] for x in rounds)
@@ -169,6 +223,20 @@ def main() -> int:
         f"\nsummary: {safer} of {len(rounds)} hardenings lowered the victim's mean P(unsafe) on the attacks it was "
         f"hardened on and {refusing} raised its refusals there; the restarted attacker found attacks again in {found} "
         f"of {len(again)} next rounds; hardening overhead at most {overhead:.1f} % of a run (target <= 10 %)"
+    )
+    evaluations = [r["evaluation"] for r in results]
+    final = [e[e["policies"][-1]] for e in evaluations]
+    print(
+        f"the final attacker's success: on the base {[round(e['base']['attack_success_rate'], 3) for e in evaluations]}"
+        f", on the final victim {[round(f['attack_success_rate'], 3) for f in final]}; the final victim's "
+        f"over-refusal {[round(f['over_refusal'], 3) for f in final]} (base "
+        f"{[round(e['base']['over_refusal'], 3) for e in evaluations]})"
+    )
+    cross = [{row["attacks"]: row for row in e["cross_attack"]["rows"]} for e in evaluations]
+    print(
+        "cross-attack: own attacks on the victim hardened on the rival's "
+        f"{[round(c['own']['hardened_on_against'], 3) for c in cross]}, the rival's on the victim hardened on own "
+        f"{[round(c['against']['hardened_on_own'], 3) for c in cross]}"
     )
     return 0
 
