@@ -39,7 +39,6 @@ SMALL = [
     "data.prompts_per_iteration=4",
     "sampling.group_size=4",
     "active.prompts_per_goal=4",
-    "active.harm_threshold=0.2",
     "run.keep_checkpoints=null",  # each hardening's victim before and after is read back
 ]
 

@@ -30,8 +30,6 @@ SMALL = [
     "sampling.group_size=2",
     "active.prompts_per_goal=2",
     "active.harden_every=2",
-    # the embedded judge's P(unsafe) on the base's answers is mostly under 0.5 at this size: a lower bar finds attacks
-    "active.harm_threshold=0.2",
 ]
 
 
@@ -51,6 +49,7 @@ def whole(tmp_path_factory):
 
 
 def test_the_victim_is_hardened_at_each_rounds_end_on_the_attacks_found_and_is_unchanged_between(whole):
+    assert whole.stored_config().active.harm_threshold == 0.2  # the embedded world's default (core/config.py)
     rows = [whole.read(HARDEN, i).to_pylist()[0] for i in range(4)]
     assert [r["hardened"] for r in rows] == [False, True, False, True]
     assert rows[3]["attacks_found"] >= rows[1]["attacks_found"] > 0  # found so far: the earlier rounds' kept
