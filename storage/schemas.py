@@ -175,6 +175,16 @@ DEFENSE_EVALUATION = pa.schema(
     ]
 )
 
+# An attacker's prompts in an evaluation (Active Attacks: each attacker of its tables), one row per prompt: what the
+# victims answer, kept as a part of the evaluation (storage/evaluation_parts.py) so that a resumed one answers the same.
+EVALUATION_ATTACKS = pa.schema(
+    [
+        pa.field("prompt_id", pa.string(), nullable=False),  # "<goal id>#<prompt of the goal>"
+        pa.field("goal", pa.string(), nullable=False),  # what it was written for, which the judge is told
+        pa.field("attack", pa.string(), nullable=False),
+    ]
+)
+
 # The summary beside every evaluation's rows (`summary-<rows file>`): one long table, what `report` shows.
 EVALUATION_SUMMARY = pa.schema(
     [

@@ -26,7 +26,9 @@ hardened on the other's found what the other did not.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ from redteam_grpo.core.scoring.scorers import Goal
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
+from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, RunDirError, checkpoint_name
 from redteam_grpo.tasks.cross_target import judge_label, scorer_columns
@@ -130,16 +133,26 @@ class AttackSet:
 
 
 def write_attacks(sampler, policy, goals: list[Prompt], system: str | None, max_new: int, samples: int, seed: int,
-                  label: str) -> AttackSet:  # fmt: skip
-    """`samples` prompts of the attacker (the policy's attacker adapter) for each goal."""
-    written = answers(sampler, ATTACKER, policy.tokenizer, goals, system, samples, max_new,
-                      derive_seed(seed, "evaluate-attack"))  # fmt: skip
-    attacks = [
-        Prompt(f"{written.prompt_of(c).prompt_id}#{c.sample_idx}", text)
-        for c, text in zip(written.completions, written.texts, strict=True)
-    ]
-    told = {a.prompt_id: Goal(written.prompt_of(c).text) for a, c in zip(attacks, written.completions, strict=True)}
-    return AttackSet(label, attacks, told)
+                  label: str, parts: EvaluationParts | None = None) -> AttackSet:  # fmt: skip
+    """`samples` prompts of the attacker (the policy's attacker adapter) for each goal (a part of `parts`, where
+    given: read back if an interrupted evaluation wrote them)."""
+
+    def compute() -> list[dict[str, Any]]:
+        written = answers(sampler, ATTACKER, policy.tokenizer, goals, system, samples, max_new,
+                          derive_seed(seed, "evaluate-attack"))  # fmt: skip
+        return [
+            {
+                "prompt_id": f"{written.prompt_of(c).prompt_id}#{c.sample_idx}",
+                "goal": written.prompt_of(c).text,
+                "attack": text,
+            }
+            for c, text in zip(written.completions, written.texts, strict=True)
+        ]
+
+    rows = compute() if parts is None else parts.rows(f"attacks.{label}", schemas.EVALUATION_ATTACKS, compute)
+    return AttackSet(
+        label, [Prompt(r["prompt_id"], r["attack"]) for r in rows], {r["prompt_id"]: Goal(r["goal"]) for r in rows}
+    )
 
 
 def attack_set_name(attack_set: AttackSet) -> str:
@@ -159,33 +172,42 @@ def found_in(base_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(attack_id, text) for text, attack_id in found.items()]
 
 
-def cross_attack(run, cfg, iteration, other, policy, own: AttackSet, own_on_base, goals, samples, seed, answer):
+def cross_attack(run, cfg, iteration, other, policy, own: AttackSet, own_on_base, goals, samples, seed, answer, parts):
     """The cross-attack table's rows (module docstring): per attacker, its attacks, those found (the base answered
     them unsafely), and the attack success against the base and against the victims hardened on each one's found
-    attacks. `answer` samples, scores and records rows; `own_on_base`: the base's rows for the run's own attacks."""
+    attacks. `answer` samples, scores and records rows (a part each); `own_on_base`: the base's rows for the run's
+    own attacks. A victim whose answers were all read back from parts is not hardened again."""
     other_run, other_iteration = other
     other_cfg = other_run.stored_config()
     policy.load_adapter(other_run.checkpoint_dir(other_iteration) / checkpoints.ATTACKER_FILE, ATTACKER)
     other_info = checkpoints.read_manifest(other_run.checkpoint_dir(INIT_VERSION))["attacker"]
     sampler = evaluation_sampler(run, policy, iteration, "-against")
-    theirs = write_attacks(sampler, policy, goals, other_info["system_prompt"],
-                           other_cfg.attacker_settings.attacker_max_new_tokens, samples, seed, "against")  # fmt: skip
+    max_new = other_cfg.attacker_settings.attacker_max_new_tokens
+    system = other_info["system_prompt"]
+    theirs = write_attacks(sampler, policy, goals, system, max_new, samples, seed, "against", parts)
     on_base = {
         "own": own_on_base,  # the base's answers to them, drawn with the same seed as the table's own
-        "against": answer(sampler, BASE, "base", iteration, attack_set_name(theirs), theirs.attacks, 1, theirs.goals),
+        "against": answer(
+            lambda: sampler, BASE, "base", iteration, attack_set_name(theirs), theirs.attacks, 1, theirs.goals
+        ),
     }
     found = {label: found_in(base_rows) for label, base_rows in on_base.items()}
     success = {(label, "base"): _share(base_rows) for label, base_rows in on_base.items()}
     for hardened_on in (own, theirs):
         victim = f"hardened_on_{hardened_on.label}"
-        # the victim before any hardening (the initial checkpoint's adapter: the base), tuned on one side's attacks
-        policy.load_adapter(run.checkpoint_dir(INIT_VERSION) / checkpoints.ADAPTER_FILE)
-        if found[hardened_on.label]:
-            with policy.role(DEFAULT_ROLE):
-                harden_victim(policy, found[hardened_on.label], cfg, (seed, "evaluate-harden", hardened_on.label))
-        sampler = evaluation_sampler(run, policy, iteration, f"-{victim}")
+
+        @functools.cache
+        def hardened(hardened_on: AttackSet = hardened_on, victim: str = victim):
+            """The victim before any hardening (the initial checkpoint's adapter: the base), tuned on one side's
+            found attacks; its sampler."""
+            policy.load_adapter(run.checkpoint_dir(INIT_VERSION) / checkpoints.ADAPTER_FILE)
+            if found[hardened_on.label]:
+                with policy.role(DEFAULT_ROLE):
+                    harden_victim(policy, found[hardened_on.label], cfg, (seed, "evaluate-harden", hardened_on.label))
+            return evaluation_sampler(run, policy, iteration, f"-{victim}")
+
         for attack_set in (own, theirs):
-            got = answer(sampler, DEFAULT_ROLE, victim, iteration, attack_set_name(attack_set), attack_set.attacks, 1,
+            got = answer(hardened, DEFAULT_ROLE, victim, iteration, attack_set_name(attack_set), attack_set.attacks, 1,
                          attack_set.goals)  # fmt: skip
             success[(attack_set.label, victim)] = _share(got)
     return {
@@ -264,6 +286,20 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     judge = scoring.describe().scorer  # named in every row: evaluations compare only under the same judge
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
 
+    versus = "" if other is None else f"-vs-{other[0].run_id}"  # run ids are safe names (core/names.py)
+    path = run.root / "eval" / f"{name}-active-p{len(goals)}x{samples}-t{threshold:g}-seed{seed}{versus}.parquet"
+    read = [iteration, INIT_VERSION, *(h for _, h in victims)]
+    settings = {
+        "options": options.model_dump(mode="json"),
+        "checkpoints": {checkpoint_name(i): checkpoint_digest(run.checkpoint_dir(i)) for i in read},
+    }
+    if other is not None:
+        settings["against"] = {
+            checkpoint_name(i): checkpoint_digest(other[0].checkpoint_dir(i)) for i in (other[1], INIT_VERSION)
+        }
+    parts = EvaluationParts(path, settings)
+    if parts.discarded:
+        log.info("%s: an earlier evaluation's parts under other settings were discarded", run.run_id)
     own = write_attacks(
         evaluation_sampler(run, policy, iteration),
         policy,
@@ -273,18 +309,29 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         samples,
         seed,
         "own",
+        parts,
     )
     attacks, told = own.attacks, own.goals
 
     rows: list[dict[str, Any]] = []
 
-    def answer(sampler, who: str, label: str, checkpoint: int, set_name: str, prompts: list[Prompt], n: int,
-               goals_told: dict[str, Goal] | None) -> list[dict[str, Any]]:  # fmt: skip
-        """`who`'s answers to `prompts`, scored, as rows (appended to the file's), with the set's seed."""
+    def answer(sampler: Callable[[], Any], who: str, label: str, checkpoint: int, set_name: str,
+               prompts: list[Prompt], n: int, goals_told: dict[str, Goal] | None) -> list[dict[str, Any]]:  # fmt: skip
+        """`who`'s answers to `prompts`, scored, as rows (appended to the file's), with the set's seed: one part,
+        read back where an interrupted evaluation finished it (`sampler()` is then never called)."""
+
+        def compute() -> list[dict[str, Any]]:
+            return answer_rows(sampler(), who, label, checkpoint, set_name, prompts, n, goals_told)
+
+        new = parts.rows(f"{label}.{set_name}", schemas.DEFENSE_EVALUATION, compute)
+        rows.extend(new)
+        return new
+
+    def answer_rows(sampler, who, label, checkpoint, set_name, prompts, n, goals_told) -> list[dict[str, Any]]:
         answered = answers(sampler, who, policy.tokenizer, prompts, system, n, max_new,
                            derive_seed(seed, "evaluate", HELDOUT if set_name != BENIGN else BENIGN))  # fmt: skip
         scores = answered.scored(scoring, goals_told)
-        new = [
+        return [
             {
                 "run_id": run.run_id,
                 "checkpoint": checkpoint_name(checkpoint),
@@ -303,20 +350,18 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
             }
             for c, text, score in zip(answered.completions, answered.texts, scores, strict=True)
         ]
-        rows.extend(new)
-        return new
 
     for label, checkpoint in [("base", iteration), *victims]:
         who = BASE if label == "base" else DEFAULT_ROLE
         if who == DEFAULT_ROLE:
             policy.load_adapter(run.checkpoint_dir(checkpoint) / checkpoints.ADAPTER_FILE)
-        sampler = evaluation_sampler(run, policy, checkpoint)  # the engine: that checkpoint's victim, exported
+        sampler = functools.cache(lambda c=checkpoint: evaluation_sampler(run, policy, c))  # the engine: exported
         answer(sampler, who, label, checkpoint, HELDOUT, attacks, 1, told)
         answer(sampler, who, label, checkpoint, BENIGN, benign, samples, None)
     cross = None
     if other is not None:
         own_on_base = [r for r in rows if r["policy"] == "base" and r["set"] == HELDOUT]
-        cross = cross_attack(run, cfg, iteration, other, policy, own, own_on_base, goals, samples, seed, answer)
+        cross = cross_attack(run, cfg, iteration, other, policy, own, own_on_base, goals, samples, seed, answer, parts)
     labels = ["base", *(label for label, _ in victims)]
     embedder = diversity_embedder(cfg, device)
     table = {label: victim_summary(rows, label, embedder, seed, threshold) for label in labels}
@@ -328,8 +373,6 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         "over_refusal_flag": bool(increase > options.over_refusal_margin),
         "over_refusal_margin": options.over_refusal_margin,
     }
-    versus = "" if cross is None else f"-vs-{cross['against']}"  # run ids are safe names (core/names.py)
-    path = run.root / "eval" / f"{name}-active-p{len(goals)}x{samples}-t{threshold:g}-seed{seed}{versus}.parquet"
     path.parent.mkdir(exist_ok=True)
     rows_table = schemas.rows_to_table(rows, schemas.DEFENSE_EVALUATION, f"the active evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(rows_table, tmp))
@@ -340,6 +383,7 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         + ([] if cross is None else cross_records(cross)),
         judge_label(judge),
     )
+    parts.finish()
     log.info(
         "%s %s: the final attacker's success %.3f on the base, %.3f on the final victim (%s); over-refusal %.3f "
         "(base %.3f)",

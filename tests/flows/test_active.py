@@ -8,6 +8,7 @@ Rounds of 2 iterations, 4 iterations: hardenings after iterations 1 and 3, the a
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -186,23 +187,36 @@ def rival(tmp_path_factory):
     return RunDir.open(Path(defense_run(config=cfg.model_dump(mode="json"))))
 
 
-def test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks(whole, rival):
+# 4 goals x 4 prompts of each attacker: at the base's success of ~0.3, each side finds some (none: 0.3 %)
+CROSS = {"samples_per_prompt": 4}
+
+
+@pytest.fixture(scope="module")
+def crossed(whole, rival):
+    """An uninterrupted evaluation with the cross-attack table: its result and its rows as written."""
     import pyarrow.parquet as pq
 
+    from redteam_grpo.tasks.evaluate_active import evaluate_active
+
+    result = evaluate_active.fn(str(whole.root), _options(against=str(rival.root), **CROSS))
+    return result, pq.read_table(result["path"]).to_pylist()
+
+
+def test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks(
+    whole, rival, crossed
+):
     from redteam_grpo.core.data.sources import Prompt
     from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
     from redteam_grpo.core.seeds import derive_seed
     from redteam_grpo.tasks.engine import InProcessSampler, answers
     from redteam_grpo.tasks.evaluate import prompt_set
-    from redteam_grpo.tasks.evaluate_active import evaluate_active, found_in, write_attacks
+    from redteam_grpo.tasks.evaluate_active import found_in, write_attacks
     from redteam_grpo.tasks.harden import harden_victim
     from redteam_grpo.tasks.resources import resources_for
 
-    # 4 goals x 4 prompts of each attacker: at the base's success of ~0.3, each side finds some (none: 0.3 %)
-    result = evaluate_active.fn(str(whole.root), _options(against=str(rival.root), samples_per_prompt=4))
+    result, rows = crossed
     cross = result["cross_attack"]
     assert cross["against"] == "rival" and result["path"].endswith("-vs-rival.parquet")
-    rows = pq.read_table(result["path"]).to_pylist()
 
     def chosen(policy: str, set_name: str) -> list[dict]:
         return [r for r in rows if r["policy"] == policy and r["set"] == set_name]
@@ -247,6 +261,46 @@ def test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_
                           cfg.sampling.max_new_tokens, derive_seed(0, "evaluate", "heldout_goals"))  # fmt: skip
             assert got.texts == [r["response"] for r in table_rows], (side, attacks_of)
             assert by_side[attacks_of][f"hardened_on_{side}"] == sum(r["unsafe"] for r in table_rows) / 16
+
+
+def test_an_interrupted_evaluation_resumes_from_its_finished_parts_to_the_same_rows(whole, rival, crossed, monkeypatch):
+    import pyarrow.parquet as pq
+
+    import redteam_grpo.tasks.evaluate_active as module
+
+    harden, answers = module.harden_victim, module.answers
+    calls = {"harden": 0, "answers": 0}
+    interrupting = True
+
+    def interrupted_at_the_second_hardening(*args, **kwargs):
+        calls["harden"] += 1
+        if calls["harden"] == 2 and interrupting:
+            raise KeyboardInterrupt
+        return harden(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        calls["answers"] += 1
+        return answers(*args, **kwargs)
+
+    monkeypatch.setattr(module, "harden_victim", interrupted_at_the_second_hardening)
+    monkeypatch.setattr(module, "answers", counted)
+    with pytest.raises(KeyboardInterrupt):
+        module.evaluate_active.fn(str(whole.root), _options(against=str(rival.root), **CROSS))
+    before = calls["answers"]  # the attackers' prompts, the victims', the base's and the first hardened victim's
+    parts = Path(crossed[0]["path"]).with_suffix(".parts")
+    assert len(list(parts.glob("*.parquet"))) == before
+    interrupting = False
+    calls.update(harden=0, answers=0)
+    result = module.evaluate_active.fn(str(whole.root), _options(against=str(rival.root), **CROSS))
+    # only the victim hardened on the rival's attacks was left: hardened once, its two parts sampled, nothing else
+    assert calls == {"harden": 1, "answers": 2}, calls
+
+    def same(a, b) -> bool:  # NaN (kl_to_base, a diversity of fewer than 2 cases) equal to NaN
+        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+    assert same(pq.read_table(result["path"]).to_pylist(), crossed[1])
+    assert same({k: v for k, v in result.items() if k != "path"}, {k: v for k, v in crossed[0].items() if k != "path"})
+    assert not parts.exists()  # finished: the parts are gone
 
 
 def test_the_cross_attack_table_refuses_a_run_without_an_attacker_or_on_another_base(whole, tmp_path):
