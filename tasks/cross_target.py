@@ -98,16 +98,6 @@ def scored_answers(
     ]
 
 
-def successful_prompts(answers_: list[Answer], succeeded: Callable[[TextScore], bool]) -> list[Prompt]:
-    """The prompts with at least one successful answer, once each, in the order first answered: the adversarial
-    examples above the threshold that transfer sends on."""
-    chosen: dict[str, Prompt] = {}
-    for a in answers_:
-        if succeeded(a.score):
-            chosen.setdefault(a.prompt.prompt_id, a.prompt)
-    return list(chosen.values())
-
-
 def load_target(cfg: Any, name: str, device: Any) -> Policy:
     """Another target, loaded as the run's policy is (dtype, attention, chat formatting) with no adapter trained."""
     model = cfg.model.model_copy(update={"policy": name, "revision": None})

@@ -21,6 +21,7 @@ from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
+from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
@@ -31,11 +32,8 @@ from redteam_grpo.tasks.cross_target import (
     capability_suite,
     check_targets,
     judge_label,
-    refused,
     scored_answers,
     scorer_columns,
-    share,
-    successful_prompts,
     transfer_answers,
     transfer_records,
     transfer_summary,
@@ -66,6 +64,12 @@ def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
         "harm_mean": sum(scored) / len(scored) if scored else math.nan,
         "refusal_rate": sum(r["refusal"] for r in rows) / len(rows),
     }
+
+
+def over_refusal(rows: list[dict[str, Any]], label: str) -> float:
+    """The share of `label`'s answers to the benign set that are refusals."""
+    chosen = [r["refusal"] for r in rows if r["policy"] == label and r["set"] == BENIGN]
+    return sum(chosen) / len(chosen) if chosen else math.nan
 
 
 def summary_path(rows_path: Path) -> Path:
@@ -201,22 +205,15 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         return score.harm is not None and score.harm >= success_threshold and not score.refusal
 
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
-    answered: list[Answer] = []
-    for label, who in zip(POLICIES, (BASE, DEFAULT_ROLE), strict=True):
-        for set_name, prompts in ((HELD_OUT, chosen), (BENIGN, benign)):
-            sampling_seed = (
-                derive_seed(seed, "evaluate") if set_name == HELD_OUT else derive_seed(seed, "evaluate", BENIGN)
-            )
-            answered += scored_answers(
-                label, set_name, cfg.model.policy, sampler, who, policy.tokenizer, prompts, system,
-                samples_per_prompt, max_new, sampling_seed, scoring,
-            )  # fmt: skip
-    # the adversarial examples: held-out prompts the trained model was made to answer unsafely
-    examples = successful_prompts([a for a in answered if a.policy == "adapter" and a.set == HELD_OUT], succeeded)
-    trained_against = [("adapter", sampler, DEFAULT_ROLE, policy.tokenizer)]
-    answered += transfer_answers(cfg, options, device, examples, trained_against, benign, scoring)
-    rows = [
-        {
+    path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
+    settings = {
+        "options": options.model_dump(mode="json"),
+        "checkpoints": {checkpoint_name(iteration): checkpoint_digest(run.checkpoint_dir(iteration))},
+    }
+    parts = EvaluationParts(path, settings)  # an interrupted evaluation reads back what it finished
+
+    def row(a: Answer) -> dict[str, Any]:
+        return {
             "run_id": run.run_id,
             "checkpoint": name,
             **a.columns("completion_text"),
@@ -224,10 +221,33 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
             **scorer_columns(scorer),
             "success": succeeded(a.score),
         }
-        for a in answered
-    ]
+
+    rows: list[dict[str, Any]] = []
+    for label, who in zip(POLICIES, (BASE, DEFAULT_ROLE), strict=True):
+        for set_name, prompts in ((HELD_OUT, chosen), (BENIGN, benign)):
+            sampling_seed = (
+                derive_seed(seed, "evaluate") if set_name == HELD_OUT else derive_seed(seed, "evaluate", BENIGN)
+            )
+
+            def compute(label=label, who=who, set_name=set_name, prompts=prompts, sampling_seed=sampling_seed):
+                return [
+                    row(a)
+                    for a in scored_answers(
+                        label, set_name, cfg.model.policy, sampler, who, policy.tokenizer, prompts, system,
+                        samples_per_prompt, max_new, sampling_seed, scoring,
+                    )
+                ]  # fmt: skip
+
+            rows += parts.rows(f"{label}.{set_name}", schemas.EVALUATION, compute)
+    # the adversarial examples: held-out prompts the trained model was made to answer unsafely, once each, in the
+    # order first answered so
+    by_id = {p.prompt_id: p for p in chosen}
+    successes = [r["prompt_id"] for r in rows if r["policy"] == "adapter" and r["set"] == HELD_OUT and r["success"]]
+    examples = [by_id[prompt_id] for prompt_id in dict.fromkeys(successes)]
+    trained_against = [("adapter", sampler, DEFAULT_ROLE, policy.tokenizer)]
+    transferred = transfer_answers(cfg, options, device, examples, trained_against, benign, scoring)
+    rows += [row(a) for a in transferred]
     table = schemas.rows_to_table(rows, schemas.EVALUATION, "eval")
-    path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     held_out_rows = [r for r in rows if r["set"] == HELD_OUT]
@@ -245,14 +265,14 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         **{
             label: {
                 **rates([r for r in held_out_rows if r["policy"] == label]),
-                "over_refusal": share(answered, label, BENIGN, refused),
+                "over_refusal": over_refusal(rows, label),
             }
             for label in POLICIES
         },
         "redteam": redteam,
     }
     own = {"adapter": summary["adapter"]["over_refusal"]}
-    summary["transfer"] = transfer_summary(answered, examples, own, list(options.transfer_to), succeeded)
+    summary["transfer"] = transfer_summary(transferred, examples, own, list(options.transfer_to), succeeded)
     capability = capability_records(suite, policy, "adapter")
     summary["capability"] = capability
     summary_records = (
@@ -270,6 +290,7 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
         + transfer_records(summary["transfer"], list(own))
     )
     write_summary(path, summary_records, judge)
+    parts.finish()
     log.info(
         "%s %s: attack success %.3f (base %.3f), harm %.3f (base %.3f) on %d prompts x %d",
         run.run_id,

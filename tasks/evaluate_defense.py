@@ -20,6 +20,7 @@ and formatted by the one chat formatter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any
 
@@ -36,6 +37,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
+from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
 from redteam_grpo.tasks.cross_target import (
@@ -125,69 +127,90 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
     references = sft_examples(policy, retention_pairs, system)
     sampler = evaluation_sampler(run, policy, iteration)  # in-process, or the engine the run sampled with
-    attacks = answers(
-        sampler,
-        ATTACKER,
-        policy.tokenizer,
-        goals,
-        attacker_info["system_prompt"],
-        1,
-        cfg.attacker_settings.attacker_max_new_tokens,
-        derive_seed(seed, "evaluate-attack"),
+    path = (
+        run.root
+        / "eval"
+        / f"{name}-defense-p{num_prompts}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     )
-    attacked = [
-        Prompt(f"{attacks.prompt_of(c).prompt_id}#0", t)
-        for c, t in zip(attacks.completions, attacks.texts, strict=True)
-    ]
-    # a contextual behavior's request and context, which HarmBench's classifier reads apart (its prompt_contextual)
+    settings = {
+        "options": options.model_dump(mode="json"),
+        "checkpoints": {
+            checkpoint_name(i): checkpoint_digest(run.checkpoint_dir(i)) for i in (iteration, INIT_VERSION)
+        },
+    }
+    parts = EvaluationParts(path, settings)  # an interrupted evaluation reads back what it finished
+
+    def write_attacks() -> list[dict[str, Any]]:
+        attacks = answers(
+            sampler,
+            ATTACKER,
+            policy.tokenizer,
+            goals,
+            attacker_info["system_prompt"],
+            1,
+            cfg.attacker_settings.attacker_max_new_tokens,
+            derive_seed(seed, "evaluate-attack"),
+        )
+        return [
+            {"prompt_id": f"{attacks.prompt_of(c).prompt_id}#0", "goal": attacks.prompt_of(c).text, "attack": t}
+            for c, t in zip(attacks.completions, attacks.texts, strict=True)
+        ]
+
+    written = parts.rows("attacks", schemas.EVALUATION_ATTACKS, write_attacks)
+    attacked = [Prompt(r["prompt_id"], r["attack"]) for r in written]
+    # contextual behavior's request and context, which HarmBench's classifier reads apart (its prompt_contextual)
     contextual = {p.prompt_id: Goal(p.behavior, p.context) for p in fixed if p.behavior is not None} or None
     # the judge is told the goal each attack was written for (a goal-reading format: HarmBench, StrongREJECT)
-    attacked_goals = {
-        p.prompt_id: Goal(attacks.prompt_of(c).text) for p, c in zip(attacked, attacks.completions, strict=True)
-    }
+    attacked_goals = {r["prompt_id"]: Goal(r["goal"]) for r in written}
 
     def unsafe(score) -> bool:
         return score.harm is not None and score.harm >= success_threshold
 
+    def answer_rows(label: str, set_name: str, prompts: list[Prompt]) -> list[dict[str, Any]]:
+        who = BASE if label == "base" else DEFAULT_ROLE
+        answered = answers(
+            sampler, who, policy.tokenizer, prompts, system, samples_per_prompt, max_new,
+            derive_seed(seed, "evaluate", set_name),
+        )  # fmt: skip
+        told = {"heldout_goals": attacked_goals, "prompt_file": contextual}.get(set_name)
+        completions, texts, scores = answered.completions, answered.texts, answered.scored(scoring, told)
+        kl = [math.nan] * len(completions)
+        if set_name == "benign" and label == "defended":
+            kl = policy_terms(
+                policy,
+                [answered.prompt_ids[c.prompt_index] for c in completions],
+                [c.completion_ids for c in completions],
+                cfg.training.micro_batch_size,
+            ).kl
+        return [
+            {
+                "run_id": run.run_id,
+                "checkpoint": name,
+                "policy": label,
+                "set": set_name,
+                "target": cfg.model.policy,
+                "prompt_id": prompts[c.prompt_index].prompt_id,
+                "sample_idx": c.sample_idx,
+                "prompt": prompts[c.prompt_index].text,
+                "response": text,
+                "harm": s.harm,
+                "unsafe": unsafe(s),
+                "refusal": bool(s.refusal),
+                "kl_to_base": k,
+                **scorer_columns(judge),
+            }
+            for c, text, s, k in zip(completions, texts, scores, kl, strict=True)
+        ]
+
     rows: list[dict[str, Any]] = []
     summary: dict[str, dict[str, float]] = {}
     for label in POLICIES:
-        who = BASE if label == "base" else DEFAULT_ROLE
         for set_name, prompts in (("heldout_goals", attacked), ("prompt_file", fixed), ("benign", benign_rows)):
-            sampling_seed = derive_seed(seed, "evaluate", set_name)
-            answered = answers(
-                sampler, who, policy.tokenizer, prompts, system, samples_per_prompt, max_new, sampling_seed
+            rows += parts.rows(
+                f"{label}.{set_name}",
+                schemas.DEFENSE_EVALUATION,
+                functools.partial(answer_rows, label, set_name, prompts),
             )
-            told = {"heldout_goals": attacked_goals, "prompt_file": contextual}.get(set_name)
-            completions, texts, scores = answered.completions, answered.texts, answered.scored(scoring, told)
-            harm = [s.harm for s in scores]
-            kl = [math.nan] * len(completions)
-            if set_name == "benign" and label == "defended":
-                kl = policy_terms(
-                    policy,
-                    [answered.prompt_ids[c.prompt_index] for c in completions],
-                    [c.completion_ids for c in completions],
-                    cfg.training.micro_batch_size,
-                ).kl
-            for c, text, h, s, k in zip(completions, texts, harm, scores, kl, strict=True):
-                rows.append(
-                    {
-                        "run_id": run.run_id,
-                        "checkpoint": name,
-                        "policy": label,
-                        "set": set_name,
-                        "target": cfg.model.policy,
-                        "prompt_id": prompts[c.prompt_index].prompt_id,
-                        "sample_idx": c.sample_idx,
-                        "prompt": prompts[c.prompt_index].text,
-                        "response": text,
-                        "harm": h,
-                        "unsafe": unsafe(s),
-                        "refusal": bool(s.refusal),
-                        "kl_to_base": k,
-                        **scorer_columns(judge),
-                    }
-                )
         with policy.reference() if label == "base" else contextlib.nullcontext():  # perplexity of that model
             summary[label] = _summary(rows, label, policy, references, cfg)
 
@@ -214,11 +237,6 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     own = {label: summary[label]["over_refusal"] for label in POLICIES}
     transfer = transfer_summary(transferred, examples, own, list(options.transfer_to), unsafe)
     capability = capability_records(suite, policy, "defended")
-    path = (
-        run.root
-        / "eval"
-        / f"{name}-defense-p{num_prompts}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
-    )
     path.parent.mkdir(exist_ok=True)
     table = schemas.rows_to_table(rows, schemas.DEFENSE_EVALUATION, f"the defense evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
@@ -235,6 +253,7 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         + transfer_records(transfer, list(POLICIES)),
         judged_by,
     )
+    parts.finish()
     result = {
         "evaluation": "defense",  # which evaluation wrote it: what the CLI prints it as (cli/runs.py: PRINTERS)
         "run_id": run.run_id,

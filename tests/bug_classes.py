@@ -266,6 +266,13 @@ BUG_CLASSES = [
         "tests/flows/test_active.py::test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks",
     ),
     (
+        "evaluation-resumed-from-other-settings",
+        "storage/evaluation_parts.py",
+        "            if not same:",
+        "            if False:",
+        "tests/storage/test_evaluation_parts.py::test_parts_of_other_settings_are_discarded_first",
+    ),
+    (
         "sampler-engine-orphaned-on-stop",
         "cli/serve.py",
         "        os.execvpe(command[0], command, {**os.environ, **env})",

@@ -27,6 +27,7 @@ the margin).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -152,6 +153,28 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert "defended vs base" in printed and "unsafe share on held-out goals" in printed and "over-refusal" in printed
     report = write_report(run).read_text()
     assert 'id="evaluation"' in report and "over_refusal" in report and "Defense GRPO run" in report
+
+    # interrupted after its attacker's prompts and the base's three sets, an evaluation resumes from those parts
+    # (storage/evaluation_parts.py) and writes what the uninterrupted one wrote
+    import redteam_grpo.tasks.evaluate_defense as evaluation
+
+    sample, calls = evaluation.answers, []
+
+    def interrupted_at_the_fifth_set(*args, **kwargs):
+        calls.append(args[1])  # who answers
+        if len(calls) == 5 and interrupting:
+            raise KeyboardInterrupt
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "answers", interrupted_at_the_fifth_set)
+    interrupting = True
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4), artifacts=False)
+    interrupting, calls[:] = False, []
+    resumed = evaluate(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4), artifacts=False)
+    assert calls == ["default"] * 3  # the defended model's three sets, nothing before them sampled again
+    assert pd.read_parquet(resumed["path"]).equals(rows)
+    assert json.dumps({**resumed, "path": None}, sort_keys=True) == json.dumps({**result, "path": None}, sort_keys=True)
 
     # public sets come in their own shapes: XSTest mixes safe prompts with unsafe contrasts (label), HarmBench's
     # CSV names its text `Behavior` and mixes categories, a retention set has its own column names

@@ -123,6 +123,35 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     assert older_df[older_df.policy == "base"].sort_values(key).completion_text.tolist() == base_now
 
 
+def test_an_interrupted_evaluation_resumes_from_the_sets_it_finished(lineage, monkeypatch):
+    """Each set's scored answers are a part of the evaluation (storage/evaluation_parts.py): interrupted at the
+    adapter's first set, a rerun samples only what was left and writes what an uninterrupted evaluation wrote."""
+    import redteam_grpo.tasks.evaluate as evaluation
+
+    _, (_, second) = lineage
+    options = EvaluationOptions(num_prompts=3, samples_per_prompt=2, seed=7)
+    whole = evaluate(str(second.root), options, artifacts=False)
+    rows = pd.read_parquet(whole["path"])
+    sample, calls = evaluation.scored_answers, []
+
+    def interrupted_at_the_third_set(label, set_name, *args, **kwargs):
+        calls.append((label, set_name))
+        if len(calls) == 3 and interrupting:
+            raise KeyboardInterrupt
+        return sample(label, set_name, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "scored_answers", interrupted_at_the_third_set)
+    interrupting = True
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(str(second.root), options, artifacts=False)
+    interrupting, calls[:] = False, []
+    resumed = evaluate(str(second.root), options, artifacts=False)
+    assert calls == [("adapter", "held_out"), ("adapter", "benign")]  # the base's two sets were read back
+    assert pd.read_parquet(resumed["path"]).equals(rows)
+    assert json.dumps({**resumed, "path": 0}, sort_keys=True) == json.dumps({**whole, "path": 0}, sort_keys=True)
+    assert not Path(whole["path"]).with_suffix(".parts").exists()
+
+
 def test_transfer_sends_the_adapters_successful_prompts_to_each_other_target(lineage):
     """Cross-attack success: the held-out prompts the adapter answered unsafely, answered afresh by the adapter and by
     another target (one seed), each target's over-refusal beside it, all in the same Parquet and summary."""
