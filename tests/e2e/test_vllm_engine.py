@@ -238,6 +238,39 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
         assert {"def-eval-v1-", "def-eval-attacker-v1-"} <= {name[: name.rindex("-") + 1] for name in served}
 
 
+def test_a_bfloat16_active_attacks_run_serves_each_hardened_victim_and_is_evaluated_through_the_engine(
+    tmp_path, defense_engine, monkeypatch
+):
+    """Active Attacks on the engine: after the hardening at iteration 1 the engine serves the hardened victim (a new
+    adapter name, a digest of its weights), the attacker's updates pass the first-update check against the engine's
+    logprobs, and the evaluation samples the final attacker, the base and the round's victim there."""
+    from redteam_grpo.flows.active import active_run
+    from redteam_grpo.tasks.evaluate_active import evaluate_active
+
+    monkeypatch.setenv("REDTEAM_GRPO_SAMPLER_TOKEN", ENGINE_KEY)
+    keyed = {"Authorization": f"Bearer {ENGINE_KEY}"}
+    overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={defense_engine.url}", "run.iterations=3"]
+    overrides += ["data.prompts_per_iteration=4", "sampling.group_size=2", "active.prompts_per_goal=2"]
+    overrides += ["active.harden_every=2", f"run.runs_dir={tmp_path}", "run.run_id=act"]
+    run = RunDir.open(Path(active_run(config=load_config(None, overrides, mode="active").model_dump(mode="json"))))
+    assert run.manifest()["status"] == "completed"
+    metrics = _mismatch(run, 3, ATTACK_TRAIN_STEP)
+    assert (metrics.logprob_mismatch_mean > 1e-4).all()  # the attacker's prompts came from the engine's kernels
+    assert_a_third_of_each_bound(metrics)
+    assert [set(run.read(SAMPLE, i).column("policy_version").to_pylist()) for i in range(3)] == [{-1}, {0}, {1}]
+    served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models", headers=keyed).json()["data"]}
+    assert any(name.startswith("act-v1-") for name in served)  # the hardened victim answered iteration 2
+    result = evaluate_active.fn(
+        str(run.root), EvaluationOptions(num_prompts=2, samples_per_prompt=2, success_threshold=0.2)
+    )
+    assert result["policies"] == ["base", "round1"] and result["victims"] == {"round1": "iter_0001"}
+    served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models", headers=keyed).json()["data"]}
+    assert {"act-eval-attacker-v2-", "act-eval-v1-"} <= {name[: name.rindex("-") + 1] for name in served}
+    rows = pd.read_parquet(result["path"])
+    answered = rows[rows.set == "heldout_goals"].groupby("policy").response.apply(list)
+    assert answered["base"] != answered["round1"]  # the hardened victim, not the base, answered as round1
+
+
 def test_a_bfloat16_three_turn_run_samples_every_turn_through_the_engine(tmp_path, engine):
     overrides = [*ENGINE_SETTINGS, f"sampling.vllm_url={engine.url}", "run.iterations=2", *SMALL_RUN]
     overrides += ["dialogue.turns=3", f"run.runs_dir={tmp_path}", "run.run_id=talk"]
