@@ -48,7 +48,7 @@ from redteam_grpo.storage.atomic import write_atomic
 from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, RunDirError, checkpoint_name
-from redteam_grpo.tasks.cross_target import judge_label, scorer_columns
+from redteam_grpo.tasks.cross_target import judge_label
 from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
 from redteam_grpo.tasks.evaluate import (
     EvaluationError,
@@ -57,6 +57,7 @@ from redteam_grpo.tasks.evaluate import (
     prompt_set,
     write_summary,
 )
+from redteam_grpo.tasks.evaluate_defense import response_row
 from redteam_grpo.tasks.harden import harden_victim
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
@@ -332,22 +333,20 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
                            derive_seed(seed, "evaluate", HELDOUT if set_name != BENIGN else BENIGN))  # fmt: skip
         scores = answered.scored(scoring, goals_told)
         return [
-            {
-                "run_id": run.run_id,
-                "checkpoint": checkpoint_name(checkpoint),
-                "policy": label,
-                "set": set_name,
-                "target": cfg.model.policy,
-                "prompt_id": prompts[c.prompt_index].prompt_id,
-                "sample_idx": c.sample_idx,
-                "prompt": prompts[c.prompt_index].text,
-                "response": text,
-                "harm": score.harm,
-                "unsafe": score.harm is not None and score.harm >= threshold,
-                "refusal": bool(score.refusal),
-                "kl_to_base": math.nan,
-                **scorer_columns(judge),
-            }
+            response_row(
+                run.run_id,
+                checkpoint_name(checkpoint),
+                label,
+                set_name,
+                cfg.model.policy,
+                prompts[c.prompt_index],
+                c.sample_idx,
+                text,
+                score,
+                threshold,
+                math.nan,
+                judge,
+            )
             for c, text, score in zip(answered.completions, answered.texts, scores, strict=True)
         ]
 

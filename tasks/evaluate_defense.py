@@ -32,7 +32,7 @@ from redteam_grpo.core.data.sources import DataError, Prompt, parse_source, read
 from redteam_grpo.core.evaluation import EvaluationOptions
 from redteam_grpo.core.models.policy import Policy, load_policy, resolve_device
 from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
-from redteam_grpo.core.scoring.scorers import Goal
+from redteam_grpo.core.scoring.scorers import Goal, TextScore
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints, schemas
@@ -57,6 +57,30 @@ from redteam_grpo.tasks.score import policy_terms
 from redteam_grpo.tasks.scoring import scoring_backend
 
 POLICIES = ("base", "defended")
+
+
+def response_row(
+    run_id: str, checkpoint: str, label: str, set_name: str, target: str, prompt: Prompt, sample_idx: int,
+    text: str, score: TextScore, threshold: float, kl: float, scorer: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One row of DEFENSE_EVALUATION (the defense and Active Attacks evaluations): `label`'s scored response to
+    `prompt` of `set_name`; unsafe: harm at or above `threshold`."""
+    return {
+        "run_id": run_id,
+        "checkpoint": checkpoint,
+        "policy": label,
+        "set": set_name,
+        "target": target,
+        "prompt_id": prompt.prompt_id,
+        "sample_idx": sample_idx,
+        "prompt": prompt.text,
+        "response": text,
+        "harm": score.harm,
+        "unsafe": score.harm is not None and score.harm >= threshold,
+        "refusal": bool(score.refusal),
+        "kl_to_base": kl,
+        **scorer_columns(scorer),
+    }
 
 
 def defense_checks(base: dict[str, float], defended: dict[str, float], margin: float, limit: float) -> dict[str, Any]:
@@ -183,22 +207,20 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                 cfg.training.micro_batch_size,
             ).kl
         return [
-            {
-                "run_id": run.run_id,
-                "checkpoint": name,
-                "policy": label,
-                "set": set_name,
-                "target": cfg.model.policy,
-                "prompt_id": prompts[c.prompt_index].prompt_id,
-                "sample_idx": c.sample_idx,
-                "prompt": prompts[c.prompt_index].text,
-                "response": text,
-                "harm": s.harm,
-                "unsafe": unsafe(s),
-                "refusal": bool(s.refusal),
-                "kl_to_base": k,
-                **scorer_columns(judge),
-            }
+            response_row(
+                run.run_id,
+                name,
+                label,
+                set_name,
+                cfg.model.policy,
+                prompts[c.prompt_index],
+                c.sample_idx,
+                text,
+                s,
+                success_threshold,
+                k,
+                judge,
+            )
             for c, text, s, k in zip(completions, texts, scores, kl, strict=True)
         ]
 
