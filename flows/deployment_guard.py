@@ -24,7 +24,8 @@ from typing import Any
 from prefect.context import FlowRunContext
 
 from redteam_grpo.core.config import ConfigError, load_config
-from redteam_grpo.storage.location import location, same_place
+from redteam_grpo.core.names import is_component
+from redteam_grpo.storage.location import absolute, location, same_place
 from redteam_grpo.storage.rundir import RunDir
 
 DENIED = ("run.runs_dir", "runtime.ray_address", "sampling.vllm_url", "reward.url", "model.trust_remote_code")
@@ -84,8 +85,10 @@ def _check_config_path(config_path: str) -> None:
 
 
 def _check_inside_runs(run_dir: str, runs_dir: str, what: str) -> None:
+    """A run folder directly inside `runs_dir` as the file system resolves it: `runs/..` or a link out of the runs
+    folder is refused."""
     folder = location(run_dir)
-    if not same_place(str(folder.parent), runs_dir):
+    if not is_component(folder.name) or not same_place(str(absolute(folder).parent), runs_dir):
         raise ConfigError(f"{what} {run_dir}: a deployment may only {what} a run of its runs folder {runs_dir}")
 
 

@@ -3,6 +3,8 @@ on the Prefect API is not the person who set up the worker. The command line is 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from redteam_grpo.core.config import ConfigError
@@ -57,7 +59,9 @@ def test_a_run_of_the_runs_folder_is_resumed_and_one_elsewhere_is_not(tmp_path, 
     )
     with pytest.raises(ConfigError, match="names the Ray cluster ray://x:1"):
         check_run_request(None, None, None, str(tmp_path / "runs" / "clustered"))
-    for elsewhere in (tmp_path / "other-user" / "run", tmp_path / "runs" / "a" / "b"):
+    (tmp_path / "runs" / "link").symlink_to(tmp_path / "other-user", target_is_directory=True)
+    outside = (tmp_path / "runs" / "..", tmp_path / "runs" / "link", Path("runs") / "mine" / "..")
+    for elsewhere in (tmp_path / "other-user" / "run", tmp_path / "runs" / "a" / "b", *outside):
         with pytest.raises(ConfigError, match="may only resume a run of its runs folder"):
             check_run_request(None, None, None, str(elsewhere))
         with pytest.raises(ConfigError, match="may only evaluate a run of its runs folder"):
