@@ -337,7 +337,8 @@ def _print_active(run_id: str, result: dict) -> None:
 
     frame = pd.DataFrame({p: result[p] for p in result["policies"]})
     frame.insert(0, "metric", frame.index)
-    rounds = ", ".join(f"{k} = {v}" for k, v in result["victims"].items()) or "no hardening yet"
+    rounds = ", ".join(f"{k} = {v}" for k, v in result["victims"].items())
+    rounds = rounds or ("every one pruned" if result["pruned"] else "no hardening yet")
     _print_frame(
         frame,
         title=f"{run_id} {result['checkpoint']}: its attacker's {result['attacks']} attacks on {result['goals']} "

@@ -647,7 +647,8 @@ class RunConfig(_Section):
     checkpoint of Qwen3-4B with rank-16 LoRA on every projection is ~400 MB (the adapter in float32, AdamW's two
     moments): 5 keep a 200-iteration run at 2 GB where keeping all would take 76 GB. A resume needs only the newest;
     `--redo` can go back as far as the oldest kept. Active Attacks keeps each hardening's checkpoint besides (each
-    round's victim, which its evaluation attacks): one more per round."""
+    round's victim, which its evaluation attacks): one more whole checkpoint per round (both adapters and both
+    optimizers, ~0.8 GB a round at that size)."""
     offline: bool = True
     """No network outside loopback: Hugging Face hub look-ups and Prefect analytics off."""
 

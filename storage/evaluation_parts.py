@@ -33,9 +33,15 @@ def checkpoint_digest(folder: Path) -> str:
     return hashlib.sha256((folder / checkpoints.MANIFEST_FILE).read_bytes()).hexdigest()
 
 
+def digest_of(values: Any) -> str:
+    """The sha256 of `values` as JSON: what a part was computed from (a prompt set's ids and texts), for the
+    settings, so that a file edited under the same name is seen."""
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def part_file_name(name: str) -> str:
-    """A part's file name: its name where it is a plain one, else a readable stem and a digest (a transfer target's
-    hub id holds a slash), so that no name leaves the parts folder."""
+    """A part's file name: its name where it is a plain one (`round1.benign`), else a readable stem and a digest,
+    so that no name leaves the parts folder whatever it holds."""
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", name).strip("._") or "part"
     if stem != name:
         stem += "-" + hashlib.sha256(name.encode()).hexdigest()[:8]

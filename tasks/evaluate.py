@@ -21,7 +21,7 @@ from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
-from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
+from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest, digest_of
 from redteam_grpo.storage.lineage import read_lineage, sampled_prompt_ids
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import RunDir, RunDirError, checkpoint_name
@@ -63,6 +63,28 @@ def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
         "attack_success_rate": sum(r["success"] for r in rows) / len(rows),
         "harm_mean": sum(scored) / len(scored) if scored else math.nan,
         "refusal_rate": sum(r["refusal"] for r in rows) / len(rows),
+    }
+
+
+# What only the figures computed after the parts read: changing them leaves every part as it was.
+NOT_IN_PARTS = ("transfer_to", "capability", "capability_limit", "over_refusal_margin", "perplexity_limit")
+
+
+def part_settings(
+    options: EvaluationOptions, iteration: int, run: RunDir, read: list[int], sets: dict[str, list[Prompt]], **more
+) -> dict[str, Any]:
+    """What an evaluation's parts are computed from (storage/evaluation_parts.py): the options that reach them (the
+    checkpoint resolved), every checkpoint read (the digest of its manifest: a `--redo` rewrites it) and every prompt
+    set (a digest of its ids and texts: a file edited under the same name, or prompts the run has sampled since,
+    differ)."""
+    return {
+        "options": {**options.model_dump(mode="json", exclude=set(NOT_IN_PARTS)), "iteration": iteration},
+        "checkpoints": {checkpoint_name(i): checkpoint_digest(run.checkpoint_dir(i)) for i in read},
+        "sets": {
+            name: digest_of([[p.prompt_id, p.text, p.behavior, p.context] for p in prompts])
+            for name, prompts in sets.items()
+        },
+        **more,
     }
 
 
@@ -206,10 +228,7 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
 
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
     path = run.root / "eval" / f"{name}-p{len(chosen)}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
-    settings = {
-        "options": options.model_dump(mode="json"),
-        "checkpoints": {checkpoint_name(iteration): checkpoint_digest(run.checkpoint_dir(iteration))},
-    }
+    settings = part_settings(options, iteration, run, [iteration], {HELD_OUT: chosen, BENIGN: benign})
     parts = EvaluationParts(path, settings)  # an interrupted evaluation reads back what it finished
 
     def row(a: Answer) -> dict[str, Any]:

@@ -4,7 +4,8 @@ final attacker against the base and against the victim of each round, side by si
 The attacker of the checkpoint evaluated writes `samples_per_prompt` prompts for each of `num_prompts` goals the run
 never trained on (`heldout_goals`); every victim answers every one of those attacks once, with the same seed:
 
-- `base`: the base model (the adapter off), the victim of the first round;
+- `base`: the base model (the adapter off), the victim of the first round (in a lineage, where the victim starts
+  from the parent run's adapter, that victim is `round0`, beside the base);
 - `round1`, `round2`, ...: the victim after the first, second, ... hardening, read from the checkpoint of the
   hardening's iteration (which `run.keep_checkpoints` never prunes in this mode: storage/modes.py: ACTIVE_MODE.keeps),
   each the victim the next round's attacker faced; the last is the run's final victim.
@@ -18,7 +19,8 @@ defense evaluation's schema), the table a summary beside it.
 
 With `against` (another run with an attacker on the same base: a self-play defense run, or another Active Attacks
 run), the cross-attack table (the paper's Table 2): the other run's final attacker writes its prompts for the same
-goals with the same seed; each attacker's *found* attacks are those the base answered unsafely; a victim is hardened
+goals with the same seed; each attacker's *found* attacks are those the base answered unsafely (harm at or above the
+evaluation's threshold, not the run's active.harm_threshold); a victim is hardened
 from the base on each attacker's found attacks with the run's own hardening recipe (tasks/harden.py: harden_victim);
 and each attacker's attacks meet the base and both hardened victims. An attacker whose attacks also break the victim
 hardened on the other's found what the other did not.
@@ -35,6 +37,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from safetensors.torch import load as load_safetensors
 
 from redteam_grpo.core.data.sources import Prompt
 from redteam_grpo.core.evaluation import EvaluationOptions
@@ -45,7 +48,8 @@ from redteam_grpo.core.scoring.scorers import Goal
 from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
-from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
+from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest, digest_of
+from redteam_grpo.storage.location import same_place
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, RunDirError, checkpoint_name
 from redteam_grpo.tasks.cross_target import judge_label
@@ -54,11 +58,12 @@ from redteam_grpo.tasks.evaluate import (
     EvaluationError,
     choose_checkpoint,
     diversity_embedder,
+    part_settings,
     prompt_set,
     write_summary,
 )
 from redteam_grpo.tasks.evaluate_defense import response_row
-from redteam_grpo.tasks.harden import harden_victim
+from redteam_grpo.tasks.harden import harden_victim, load_refusals
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
 
@@ -70,7 +75,8 @@ UNUSED = ("prompt_file", "retention", "perplexity_limit", "capability", "capabil
 def round_victims(run: RunDir, iteration: int) -> tuple[list[tuple[str, int]], list[int]]:
     """(label, checkpoint iteration) of the victim after each hardening up to `iteration`, in order, and the
     hardenings whose checkpoint is gone (a run pruned before its mode kept them)."""
-    hardenings = [h for h in range(iteration + 1) if run.stored_config().active.hardens_after(h)]
+    schedule = run.stored_config().active
+    hardenings = [h for h in range(iteration + 1) if schedule.hardens_after(h)]
     kept = {h for h in hardenings if run.checkpoint_intact(h)}
     victims = [(f"round{k}", h) for k, h in enumerate(hardenings, start=1) if h in kept]
     return victims, [h for h in hardenings if h not in kept]
@@ -98,19 +104,34 @@ def victim_summary(rows: list[dict[str, Any]], label: str, embedder, seed: int, 
     }
 
 
-def other_attacker(run: RunDir, against: str) -> tuple[RunDir, int]:
-    """The run an evaluation is set against, and its newest checkpoint, checked to hold an attacker on this run's
-    base."""
+@dataclass(frozen=True)
+class Rival:
+    """The run an evaluation is set against: its attacker's weights (read when the evaluation starts, so that a rival
+    still training cannot prune them meanwhile), where they came from, and how it writes."""
+
+    run_id: str
+    checkpoint: str  # the rival's checkpoint whose attacker is used
+    state: dict[str, Any]  # the attacker adapter's tensors
+    digest: str  # that checkpoint's identity: a resumed table against another one starts over
+    system_prompt: str | None
+    max_new_tokens: int
+
+
+def other_attacker(run: RunDir, against: str) -> Rival:
+    """The run an evaluation is set against, checked to hold an attacker on this run's base: the newest
+    checkpoint's attacker where it learns (self-play, Active Attacks), else the initial one (defense without
+    self-play: its attacker is frozen, and only the initial checkpoint holds it)."""
     try:
         other = RunDir.open(against)
     except RunDirError as exc:
         raise EvaluationError(f"--against {against}: {exc}") from None
     cfg, other_cfg = run.stored_config(), other.stored_config()
-    if other.root == run.root:
+    if same_place(other.root, run.root):
         raise EvaluationError(f"--against {against}: that is the run evaluated; give another run's folder")
-    if ATTACKER not in mode_of(other_cfg).roles:
+    mode = mode_of(other_cfg)
+    if ATTACKER not in mode.roles:
         raise EvaluationError(
-            f"--against {against}: a {other_cfg.run.mode} run has no attacker; give a self-play defense run "
+            f"--against {against}: an {other_cfg.run.mode}-mode run has no attacker; give a self-play defense run "
             "(redteam-grpo defense --set defense.self_play=true) or another Active Attacks run"
         )
     if other_cfg.model.policy != cfg.model.policy:
@@ -119,9 +140,22 @@ def other_attacker(run: RunDir, against: str) -> tuple[RunDir, int]:
             f"{cfg.model.policy}; the cross-attack table needs both attackers on the same base"
         )
     try:
-        return other, other.checkpoint_to_use(None)
-    except RunDirError as exc:
-        raise EvaluationError(f"--against {against}: {exc}") from None
+        iteration = other.checkpoint_to_use(None)
+        if ATTACKER not in mode.learning_roles(other_cfg):
+            iteration = other.checkpoint_to_use(INIT_VERSION)
+        folder = other.checkpoint_dir(iteration)
+        state = load_safetensors((folder / checkpoints.ATTACKER_FILE).read_bytes())
+        info = checkpoints.read_manifest(other.checkpoint_dir(INIT_VERSION))["attacker"]
+    except (RunDirError, checkpoints.CheckpointError, OSError) as exc:
+        raise EvaluationError(f"--against {against}: its attacker cannot be read: {exc}") from None
+    return Rival(
+        other.run_id,
+        checkpoint_name(iteration),
+        state,
+        checkpoint_digest(folder),
+        info["system_prompt"],
+        other_cfg.attacker_settings.attacker_max_new_tokens,
+    )
 
 
 @dataclass(frozen=True)
@@ -133,13 +167,13 @@ class AttackSet:
     goals: dict[str, Goal]  # each attack's goal, which the judge is told
 
 
-def write_attacks(sampler, policy, goals: list[Prompt], system: str | None, max_new: int, samples: int, seed: int,
-                  label: str, parts: EvaluationParts | None = None) -> AttackSet:  # fmt: skip
-    """`samples` prompts of the attacker (the policy's attacker adapter) for each goal (a part of `parts`, where
-    given: read back if an interrupted evaluation wrote them)."""
+def write_attacks(sampler: Callable[[], Any], policy, goals: list[Prompt], system: str | None, max_new: int,
+                  samples: int, seed: int, label: str, parts: EvaluationParts | None = None) -> AttackSet:  # fmt: skip
+    """`samples` prompts of the attacker (the policy's attacker adapter, sampled by `sampler()`) for each goal (a
+    part of `parts`, where given: read back if an interrupted evaluation wrote them)."""
 
     def compute() -> list[dict[str, Any]]:
-        written = answers(sampler, ATTACKER, policy.tokenizer, goals, system, samples, max_new,
+        written = answers(sampler(), ATTACKER, policy.tokenizer, goals, system, samples, max_new,
                           derive_seed(seed, "evaluate-attack"))  # fmt: skip
         return [
             {
@@ -173,23 +207,20 @@ def found_in(base_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(attack_id, text) for text, attack_id in found.items()]
 
 
-def cross_attack(run, cfg, iteration, other, policy, own: AttackSet, own_on_base, goals, samples, seed, answer, parts):
+def cross_attack(run, cfg, iteration, rival: Rival, policy, own: AttackSet, own_on_base, goals, samples, seed,
+                 answer, parts: EvaluationParts):  # fmt: skip
     """The cross-attack table's rows (module docstring): per attacker, its attacks, those found (the base answered
     them unsafely), and the attack success against the base and against the victims hardened on each one's found
-    attacks. `answer` samples, scores and records rows (a part each); `own_on_base`: the base's rows for the run's
-    own attacks. A victim whose answers were all read back from parts is not hardened again."""
-    other_run, other_iteration = other
-    other_cfg = other_run.stored_config()
-    policy.load_adapter(other_run.checkpoint_dir(other_iteration) / checkpoints.ATTACKER_FILE, ATTACKER)
-    other_info = checkpoints.read_manifest(other_run.checkpoint_dir(INIT_VERSION))["attacker"]
-    sampler = evaluation_sampler(run, policy, iteration, "-against")
-    max_new = other_cfg.attacker_settings.attacker_max_new_tokens
-    system = other_info["system_prompt"]
-    theirs = write_attacks(sampler, policy, goals, system, max_new, samples, seed, "against", parts)
+    attacks. `answer` samples, scores and records rows (a part each of `parts`); `own_on_base`: the base's rows for
+    the run's own attacks. What was read back from parts is neither sampled nor hardened again."""
+    policy.load_adapter_state(rival.state, ATTACKER)
+    sampler = functools.cache(lambda: evaluation_sampler(run, policy, iteration, "-against"))
+    theirs = write_attacks(sampler, policy, goals, rival.system_prompt, rival.max_new_tokens, samples, seed, "against",
+                           parts)  # fmt: skip
     on_base = {
         "own": own_on_base,  # the base's answers to them, drawn with the same seed as the table's own
         "against": answer(
-            lambda: sampler, BASE, "base", iteration, attack_set_name(theirs), theirs.attacks, 1, theirs.goals
+            sampler, BASE, "base", iteration, attack_set_name(theirs), theirs.attacks, 1, theirs.goals, parts
         ),
     }
     found = {label: found_in(base_rows) for label, base_rows in on_base.items()}
@@ -209,15 +240,15 @@ def cross_attack(run, cfg, iteration, other, policy, own: AttackSet, own_on_base
 
         for attack_set in (own, theirs):
             got = answer(hardened, DEFAULT_ROLE, victim, iteration, attack_set_name(attack_set), attack_set.attacks, 1,
-                         attack_set.goals)  # fmt: skip
+                         attack_set.goals, parts)  # fmt: skip
             success[(attack_set.label, victim)] = _share(got)
     return {
-        "against": other_run.run_id,
-        "against_checkpoint": checkpoint_name(other_iteration),
+        "against": rival.run_id,
+        "against_checkpoint": rival.checkpoint,
         "rows": [
             {
                 "attacks": attack_set.label,
-                "run_id": run.run_id if attack_set is own else other_run.run_id,
+                "run_id": run.run_id if attack_set is own else rival.run_id,
                 "n": len(attack_set.attacks),
                 "found": len(found[attack_set.label]),
                 **{victim: success[(attack_set.label, victim)] for victim in VICTIMS_OF_THE_TABLE},
@@ -277,32 +308,32 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     goals = prompt_set(options.heldout_goals, "--heldout-goals", cfg.data.prompt_column, cfg.data.id_column,
                        num_prompts, seed)  # fmt: skip
     benign = prompt_set(options.benign, "--benign", "prompt", "prompt_id", num_prompts, seed)
-    other = other_attacker(run, options.against) if options.against is not None else None
+    rival = other_attacker(run, options.against) if options.against is not None else None
     device = resolve_device(cfg.run.device)
     policy = load_policy(cfg.model, cfg.sampling.temperature, device, cfg.run.seed)
     policy.add_role(ATTACKER)
     policy.load_adapter(run.checkpoint_dir(iteration) / checkpoints.ATTACKER_FILE, ATTACKER)
+    policy.load_adapter(run.checkpoint_dir(INIT_VERSION) / checkpoints.ADAPTER_FILE)
+    with policy.role(DEFAULT_ROLE):
+        if not policy.adapter_is_zero():  # a lineage's victim starts from its parent's adapter, not from the base
+            victims = [("round0", INIT_VERSION), *victims]
     attacker_info = checkpoints.read_manifest(run.checkpoint_dir(INIT_VERSION))["attacker"]
     scoring = scoring_backend(cfg.reward, device)
     judge = scoring.describe().scorer  # named in every row: evaluations compare only under the same judge
     system, max_new = cfg.model.system_prompt, cfg.sampling.max_new_tokens
 
-    versus = "" if other is None else f"-vs-{other[0].run_id}"  # run ids are safe names (core/names.py)
-    path = run.root / "eval" / f"{name}-active-p{len(goals)}x{samples}-t{threshold:g}-seed{seed}{versus}.parquet"
+    stem = f"{name}-active-p{len(goals)}x{samples}-t{threshold:g}-seed{seed}"
+    versus = "" if rival is None else f"-vs-{rival.run_id}"  # run ids are safe names (core/names.py)
+    path = run.root / "eval" / f"{stem}{versus}.parquet"
     read = [iteration, INIT_VERSION, *(h for _, h in victims)]
-    settings = {
-        "options": options.model_dump(mode="json"),
-        "checkpoints": {checkpoint_name(i): checkpoint_digest(run.checkpoint_dir(i)) for i in read},
-    }
-    if other is not None:
-        settings["against"] = {
-            checkpoint_name(i): checkpoint_digest(other[0].checkpoint_dir(i)) for i in (other[1], INIT_VERSION)
-        }
-    parts = EvaluationParts(path, settings)
+    settings = part_settings(options.model_copy(update={"against": None}), iteration, run, read,
+                             {HELDOUT: goals, BENIGN: benign})  # fmt: skip
+    # the run's own parts, whatever it is set against; the cross-attack table's, against that rival's attacker
+    parts = EvaluationParts(run.root / "eval" / f"{stem}.parquet", settings)
     if parts.discarded:
         log.info("%s: an earlier evaluation's parts under other settings were discarded", run.run_id)
     own = write_attacks(
-        evaluation_sampler(run, policy, iteration),
+        functools.cache(lambda: evaluation_sampler(run, policy, iteration)),
         policy,
         goals,
         attacker_info["system_prompt"],
@@ -317,14 +348,16 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
 
     def answer(sampler: Callable[[], Any], who: str, label: str, checkpoint: int, set_name: str,
-               prompts: list[Prompt], n: int, goals_told: dict[str, Goal] | None) -> list[dict[str, Any]]:  # fmt: skip
-        """`who`'s answers to `prompts`, scored, as rows (appended to the file's), with the set's seed: one part,
-        read back where an interrupted evaluation finished it (`sampler()` is then never called)."""
+               prompts: list[Prompt], n: int, goals_told: dict[str, Goal] | None,
+               store: EvaluationParts | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """`who`'s answers to `prompts`, scored, as rows (appended to the file's), with the set's seed: one part of
+        `store` (the run's own parts by default), read back where an interrupted evaluation finished it (`sampler()`
+        is then never called)."""
 
         def compute() -> list[dict[str, Any]]:
             return answer_rows(sampler(), who, label, checkpoint, set_name, prompts, n, goals_told)
 
-        new = parts.rows(f"{label}.{set_name}", schemas.DEFENSE_EVALUATION, compute)
+        new = (store or parts).rows(f"{label}.{set_name}", schemas.DEFENSE_EVALUATION, compute)
         rows.extend(new)
         return new
 
@@ -358,9 +391,15 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         answer(sampler, who, label, checkpoint, HELDOUT, attacks, 1, told)
         answer(sampler, who, label, checkpoint, BENIGN, benign, samples, None)
     cross = None
-    if other is not None:
+    if rival is not None:
         own_on_base = [r for r in rows if r["policy"] == "base" and r["set"] == HELDOUT]
-        cross = cross_attack(run, cfg, iteration, other, policy, own, own_on_base, goals, samples, seed, answer, parts)
+        refusals = load_refusals(cfg)  # the cross table's hardening pairs found attacks with them
+        cross_parts = EvaluationParts(
+            path.with_name(f"{stem}{versus}-cross.parquet"),
+            {**settings, "against": rival.digest, "refusals": digest_of(refusals)},
+        )
+        cross = cross_attack(run, cfg, iteration, rival, policy, own, own_on_base, goals, samples, seed, answer,
+                             cross_parts)  # fmt: skip
     labels = ["base", *(label for label, _ in victims)]
     embedder = diversity_embedder(cfg, device)
     table = {label: victim_summary(rows, label, embedder, seed, threshold) for label in labels}
@@ -383,6 +422,8 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         judge_label(judge),
     )
     parts.finish()
+    if rival is not None:
+        cross_parts.finish()
     log.info(
         "%s %s: the final attacker's success %.3f on the base, %.3f on the final victim (%s); over-refusal %.3f "
         "(base %.3f)",

@@ -37,7 +37,7 @@ from redteam_grpo.core.seeds import derive_seed
 from redteam_grpo.core.training.sft import SftExample, sft_examples, sft_loss
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.atomic import write_atomic
-from redteam_grpo.storage.evaluation_parts import EvaluationParts, checkpoint_digest
+from redteam_grpo.storage.evaluation_parts import EvaluationParts
 from redteam_grpo.storage.modes import mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, checkpoint_name
 from redteam_grpo.tasks.cross_target import (
@@ -51,7 +51,7 @@ from redteam_grpo.tasks.cross_target import (
     transfer_summary,
 )
 from redteam_grpo.tasks.engine import BASE, answers, evaluation_sampler
-from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, prompt_set, write_summary
+from redteam_grpo.tasks.evaluate import EvaluationError, choose_checkpoint, part_settings, prompt_set, write_summary
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.score import policy_terms
 from redteam_grpo.tasks.scoring import scoring_backend
@@ -156,12 +156,8 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
         / "eval"
         / f"{name}-defense-p{num_prompts}x{samples_per_prompt}-t{success_threshold:g}-seed{seed}.parquet"
     )
-    settings = {
-        "options": options.model_dump(mode="json"),
-        "checkpoints": {
-            checkpoint_name(i): checkpoint_digest(run.checkpoint_dir(i)) for i in (iteration, INIT_VERSION)
-        },
-    }
+    sets = {"heldout_goals": goals, "prompt_file": fixed, "benign": benign_rows}
+    settings = part_settings(options, iteration, run, [INIT_VERSION, iteration], sets)
     parts = EvaluationParts(path, settings)  # an interrupted evaluation reads back what it finished
 
     def write_attacks() -> list[dict[str, Any]]:

@@ -273,6 +273,13 @@ BUG_CLASSES = [
         "tests/storage/test_evaluation_parts.py::test_parts_of_other_settings_are_discarded_first",
     ),
     (
+        "evaluation-resumed-over-edited-prompts",
+        "tasks/evaluate.py",
+        "            name: digest_of([[p.prompt_id, p.text, p.behavior, p.context] for p in prompts])",
+        "            name: digest_of([p.prompt_id for p in prompts])",
+        "tests/storage/test_evaluation_parts.py::test_the_settings_see_a_prompt_set_edited_under_the_same_name_and_ignore_what_parts_never_read",
+    ),
+    (
         "sampler-engine-orphaned-on-stop",
         "cli/serve.py",
         "        os.execvpe(command[0], command, {**os.environ, **env})",

@@ -230,7 +230,7 @@ def test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_
     res.holds(ATTACKER, None)
     goals = prompt_set(_options().heldout_goals, "goals", cfg.data.prompt_column, cfg.data.id_column, 4, 0)
     written = write_attacks(
-        sampler,
+        lambda: sampler,
         policy,
         goals,
         checkpoints.read_manifest(rival.checkpoint_dir(-1))["attacker"]["system_prompt"],
@@ -287,8 +287,12 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_parts_to_the_same_r
     with pytest.raises(KeyboardInterrupt):
         module.evaluate_active.fn(str(whole.root), _options(against=str(rival.root), **CROSS))
     before = calls["answers"]  # the attackers' prompts, the victims', the base's and the first hardened victim's
-    parts = Path(crossed[0]["path"]).with_suffix(".parts")
-    assert len(list(parts.glob("*.parquet"))) == before
+    folder = Path(crossed[0]["path"]).parent
+    assert sorted(p.name for p in folder.glob("*.parts")) == [
+        "iter_0003-active-p4x4-t0.2-seed0-vs-rival-cross.parts",  # the table's, against that rival
+        "iter_0003-active-p4x4-t0.2-seed0.parts",  # the run's own, whatever it is set against
+    ]
+    assert len(list(folder.glob("*.parts/*.parquet"))) == before
     interrupting = False
     calls.update(harden=0, answers=0)
     result = module.evaluate_active.fn(str(whole.root), _options(against=str(rival.root), **CROSS))
@@ -300,7 +304,7 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_parts_to_the_same_r
 
     assert same(pq.read_table(result["path"]).to_pylist(), crossed[1])
     assert same({k: v for k, v in result.items() if k != "path"}, {k: v for k, v in crossed[0].items() if k != "path"})
-    assert not parts.exists()  # finished: the parts are gone
+    assert not list(folder.glob("*.parts"))  # finished: the parts are gone
 
 
 def test_the_cross_attack_table_refuses_a_run_without_an_attacker_or_on_another_base(whole, tmp_path):
@@ -308,10 +312,25 @@ def test_the_cross_attack_table_refuses_a_run_without_an_attacker_or_on_another_
     from redteam_grpo.tasks.evaluate_active import evaluate_active
 
     plain = RunDir.create(load_config(None, [f"run.runs_dir={tmp_path}", "run.run_id=plain"]))
-    with pytest.raises(EvaluationError, match="a attack run has no attacker; give a self-play defense run"):
+    with pytest.raises(EvaluationError, match="an attack-mode run has no attacker; give a self-play defense run"):
         evaluate_active.fn(str(whole.root), _options(against=str(plain.root)))
-    with pytest.raises(EvaluationError, match="that is the run evaluated"):
-        evaluate_active.fn(str(whole.root), _options(against=str(whole.root)))
+    for itself in (whole.root, whole.root.parent / ".." / whole.root.parent.name / "whole"):  # however spelled
+        with pytest.raises(EvaluationError, match="that is the run evaluated"):
+            evaluate_active.fn(str(whole.root), _options(against=str(itself)))
+
+
+def test_against_a_defense_run_whose_attacker_is_frozen_its_initial_attacker_is_read(whole, tmp_path):
+    from redteam_grpo.flows.defense import defense_run
+    from redteam_grpo.tasks.evaluate_active import other_attacker
+
+    cfg = load_config(None, [f"run.runs_dir={tmp_path}", "run.run_id=frozen", "run.iterations=1", *SMALL[:4]],
+                      mode="defense")  # fmt: skip
+    frozen = RunDir.open(Path(defense_run(config=cfg.model_dump(mode="json"))))
+    assert not (frozen.checkpoint_dir(0) / checkpoints.ATTACKER_FILE).exists()  # only the initial checkpoint has it
+    rival = other_attacker(whole, str(frozen.root))
+    initial = load_file(frozen.checkpoint_dir(-1) / checkpoints.ATTACKER_FILE)
+    assert rival.checkpoint == "init" and rival.state.keys() == initial.keys()
+    assert all((rival.state[k] == initial[k]).all() for k in initial)
 
 
 def test_inspect_shows_the_attackers_iterations(whole):

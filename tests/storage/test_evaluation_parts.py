@@ -56,3 +56,21 @@ def test_a_part_name_never_leaves_the_folder():
         file_name = part_file_name(name)
         assert "/" not in file_name and not file_name.startswith("."), file_name
     assert part_file_name("a/b") != part_file_name("a_b")  # a digest keeps two names apart
+
+
+def test_the_settings_see_a_prompt_set_edited_under_the_same_name_and_ignore_what_parts_never_read():
+    """tasks/evaluate.py: part_settings: the same options over other prompts (a goals file edited, prompts the run
+    sampled since) are other settings; a transfer target or a flag's limit, read after the parts, are not."""
+    from redteam_grpo.core.data.sources import Prompt
+    from redteam_grpo.core.evaluation import EvaluationOptions
+    from redteam_grpo.tasks.evaluate import part_settings
+
+    goals = [Prompt("g1", "insult my coworker"), Prompt("g2", "mock my neighbour")]
+    edited = [goals[0], Prompt("g2", "mock my landlord")]
+    options = EvaluationOptions()
+    settings = part_settings(options, 3, None, [], {"heldout_goals": goals})
+    assert part_settings(options, 3, None, [], {"heldout_goals": edited}) != settings
+    assert part_settings(options, 4, None, [], {"heldout_goals": goals}) != settings  # another checkpoint
+    later = options.model_copy(update={"transfer_to": ["embedded:tiny-qwen3"], "over_refusal_margin": 0.5})
+    assert part_settings(later, 3, None, [], {"heldout_goals": goals}) == settings
+    assert part_settings(options.model_copy(update={"iteration": 3}), 3, None, [], {"heldout_goals": goals}) == settings
