@@ -365,21 +365,10 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         answered = answers(sampler, who, policy.tokenizer, prompts, system, n, max_new,
                            derive_seed(seed, "evaluate", HELDOUT if set_name != BENIGN else BENIGN))  # fmt: skip
         scores = answered.scored(scoring, goals_told)
+        at = checkpoint_name(checkpoint)
+        row = functools.partial(response_row, run.run_id, at, label, set_name, cfg.model.policy)
         return [
-            response_row(
-                run.run_id,
-                checkpoint_name(checkpoint),
-                label,
-                set_name,
-                cfg.model.policy,
-                prompts[c.prompt_index],
-                c.sample_idx,
-                text,
-                score,
-                threshold,
-                math.nan,
-                judge,
-            )
+            row(prompts[c.prompt_index], c.sample_idx, text, score, threshold, math.nan, judge)
             for c, text, score in zip(answered.completions, answered.texts, scores, strict=True)
         ]
 

@@ -202,21 +202,9 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
                 [c.completion_ids for c in completions],
                 cfg.training.micro_batch_size,
             ).kl
+        row = functools.partial(response_row, run.run_id, name, label, set_name, cfg.model.policy)
         return [
-            response_row(
-                run.run_id,
-                name,
-                label,
-                set_name,
-                cfg.model.policy,
-                prompts[c.prompt_index],
-                c.sample_idx,
-                text,
-                s,
-                success_threshold,
-                k,
-                judge,
-            )
+            row(prompts[c.prompt_index], c.sample_idx, text, s, success_threshold, k, judge)
             for c, text, s, k in zip(completions, texts, scores, kl, strict=True)
         ]
 
