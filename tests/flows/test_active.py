@@ -165,7 +165,7 @@ def test_evaluate_attacks_the_base_and_each_rounds_victim_with_the_final_attacke
         assert len(benign) == 8 and evaluated[label]["over_refusal"] == sum(r["refusal"] for r in benign) / 8
 
 
-def test_evaluate_refuses_what_it_does_not_read_and_other_modes(whole):
+def test_evaluate_refuses_the_options_it_does_not_read(whole):
     from redteam_grpo.tasks.evaluate import EvaluationError
     from redteam_grpo.tasks.evaluate_active import evaluate_active
 
