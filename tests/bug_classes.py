@@ -261,7 +261,7 @@ BUG_CLASSES = [
     (
         "cross-attack-by-the-runs-own-attacker",
         "tasks/evaluate_active.py",
-        "    policy.load_adapter(other_run.checkpoint_dir(other_iteration) / checkpoints.ATTACKER_FILE, ATTACKER)",
+        "    policy.load_adapter_state(rival.state, ATTACKER)",
         "    pass",
         "tests/flows/test_active.py::test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_the_others_found_attacks",
     ),
