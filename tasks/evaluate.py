@@ -66,8 +66,9 @@ def rates(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-# What only the figures computed after the parts read: changing them leaves every part as it was.
-NOT_IN_PARTS = ("transfer_to", "capability", "capability_limit", "over_refusal_margin", "perplexity_limit")
+# What only the figures computed after the parts read (`against`: the cross-attack table's own parts, whose settings
+# name the rival's checkpoint): changing them leaves every part as it was.
+NOT_IN_PARTS = ("transfer_to", "capability", "capability_limit", "over_refusal_margin", "perplexity_limit", "against")
 
 
 def part_settings(

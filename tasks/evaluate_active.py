@@ -58,11 +58,12 @@ from redteam_grpo.tasks.evaluate import (
     EvaluationError,
     choose_checkpoint,
     diversity_embedder,
+    over_refusal,
     part_settings,
     prompt_set,
     write_summary,
 )
-from redteam_grpo.tasks.evaluate_defense import response_row
+from redteam_grpo.tasks.evaluate_defense import AttackSet, response_row, write_attacks
 from redteam_grpo.tasks.harden import harden_victim, load_refusals
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.scoring import scoring_backend
@@ -85,7 +86,6 @@ def round_victims(run: RunDir, iteration: int) -> tuple[list[tuple[str, int]], l
 def victim_summary(rows: list[dict[str, Any]], label: str, embedder, seed: int, threshold: float) -> dict[str, float]:
     """One victim's figures from its rows (module docstring)."""
     attacked = [r for r in rows if r["policy"] == label and r["set"] == HELDOUT]
-    benign = [r for r in rows if r["policy"] == label and r["set"] == BENIGN]
     scored = [r["harm"] for r in attacked if r["harm"] is not None]
     texts = [r["prompt"] for r in attacked]
     # an attack counts as successful by its answer's harm (unscored answers: not successful)
@@ -94,13 +94,13 @@ def victim_summary(rows: list[dict[str, Any]], label: str, embedder, seed: int, 
     embeddings = embedder(texts) if embedder is not None and successful else None
     (diversity,) = redteam_metrics(texts, harms, embeddings, thresholds=(threshold,), seed=seed).as_rows()
     return {
-        "attack_success_rate": sum(r["unsafe"] for r in attacked) / len(attacked),
+        "attack_success_rate": _share(attacked),
         "harm_mean": sum(scored) / len(scored) if scored else math.nan,
         "refusal_rate": sum(r["refusal"] for r in attacked) / len(attacked),
         "distinct_successes": float(len(set(successful))),
         "selfbleu_diversity": diversity["selfbleu_diversity"],
         "embedding_diversity": diversity["embedding_diversity"],
-        "over_refusal": sum(r["refusal"] for r in benign) / len(benign),
+        "over_refusal": over_refusal(rows, label),
     }
 
 
@@ -155,38 +155,6 @@ def other_attacker(run: RunDir, against: str) -> Rival:
         checkpoint_digest(folder),
         info["system_prompt"],
         other_cfg.attacker_settings.attacker_max_new_tokens,
-    )
-
-
-@dataclass(frozen=True)
-class AttackSet:
-    """One attacker's prompts for the held-out goals: `label` names the attacker in the table."""
-
-    label: str
-    attacks: list[Prompt]
-    goals: dict[str, Goal]  # each attack's goal, which the judge is told
-
-
-def write_attacks(sampler: Callable[[], Any], policy, goals: list[Prompt], system: str | None, max_new: int,
-                  samples: int, seed: int, label: str, parts: EvaluationParts | None = None) -> AttackSet:  # fmt: skip
-    """`samples` prompts of the attacker (the policy's attacker adapter, sampled by `sampler()`) for each goal (a
-    part of `parts`, where given: read back if an interrupted evaluation wrote them)."""
-
-    def compute() -> list[dict[str, Any]]:
-        written = answers(sampler(), ATTACKER, policy.tokenizer, goals, system, samples, max_new,
-                          derive_seed(seed, "evaluate-attack"))  # fmt: skip
-        return [
-            {
-                "prompt_id": f"{written.prompt_of(c).prompt_id}#{c.sample_idx}",
-                "goal": written.prompt_of(c).text,
-                "attack": text,
-            }
-            for c, text in zip(written.completions, written.texts, strict=True)
-        ]
-
-    rows = compute() if parts is None else parts.rows(f"attacks.{label}", schemas.EVALUATION_ATTACKS, compute)
-    return AttackSet(
-        label, [Prompt(r["prompt_id"], r["attack"]) for r in rows], {r["prompt_id"]: Goal(r["goal"]) for r in rows}
     )
 
 
@@ -326,8 +294,7 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
     versus = "" if rival is None else f"-vs-{rival.run_id}"  # run ids are safe names (core/names.py)
     path = run.root / "eval" / f"{stem}{versus}.parquet"
     read = [iteration, INIT_VERSION, *(h for _, h in victims)]
-    settings = part_settings(options.model_copy(update={"against": None}), iteration, run, read,
-                             {HELDOUT: goals, BENIGN: benign})  # fmt: skip
+    settings = part_settings(options, iteration, run, read, {HELDOUT: goals, BENIGN: benign})
     # the run's own parts, whatever it is set against; the cross-attack table's, against that rival's attacker
     parts = EvaluationParts(run.root / "eval" / f"{stem}.parquet", settings)
     if parts.discarded:

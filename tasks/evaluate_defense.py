@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -57,6 +59,38 @@ from redteam_grpo.tasks.score import policy_terms
 from redteam_grpo.tasks.scoring import scoring_backend
 
 POLICIES = ("base", "defended")
+
+
+@dataclass(frozen=True)
+class AttackSet:
+    """One attacker's prompts for the held-out goals: `label` names the attacker in the table."""
+
+    label: str
+    attacks: list[Prompt]
+    goals: dict[str, Goal]  # each attack's goal, which the judge is told
+
+
+def write_attacks(sampler: Callable[[], Any], policy, goals: list[Prompt], system: str | None, max_new: int,
+                  samples: int, seed: int, label: str, parts: EvaluationParts | None = None) -> AttackSet:  # fmt: skip
+    """`samples` prompts of the attacker (the policy's attacker adapter, sampled by `sampler()`) for each goal (a
+    part of `parts`, where given: read back if an interrupted evaluation wrote them)."""
+
+    def compute() -> list[dict[str, Any]]:
+        written = answers(sampler(), ATTACKER, policy.tokenizer, goals, system, samples, max_new,
+                          derive_seed(seed, "evaluate-attack"))  # fmt: skip
+        return [
+            {
+                "prompt_id": f"{written.prompt_of(c).prompt_id}#{c.sample_idx}",
+                "goal": written.prompt_of(c).text,
+                "attack": text,
+            }
+            for c, text in zip(written.completions, written.texts, strict=True)
+        ]
+
+    rows = compute() if parts is None else parts.rows(f"attacks.{label}", schemas.EVALUATION_ATTACKS, compute)
+    return AttackSet(
+        label, [Prompt(r["prompt_id"], r["attack"]) for r in rows], {r["prompt_id"]: Goal(r["goal"]) for r in rows}
+    )
 
 
 def response_row(
@@ -160,28 +194,13 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> dict[str, Any]
     settings = part_settings(options, iteration, run, [INIT_VERSION, iteration], sets)
     parts = EvaluationParts(path, settings)  # an interrupted evaluation reads back what it finished
 
-    def write_attacks() -> list[dict[str, Any]]:
-        attacks = answers(
-            sampler,
-            ATTACKER,
-            policy.tokenizer,
-            goals,
-            attacker_info["system_prompt"],
-            1,
-            cfg.attacker_settings.attacker_max_new_tokens,
-            derive_seed(seed, "evaluate-attack"),
-        )
-        return [
-            {"prompt_id": f"{attacks.prompt_of(c).prompt_id}#0", "goal": attacks.prompt_of(c).text, "attack": t}
-            for c, t in zip(attacks.completions, attacks.texts, strict=True)
-        ]
-
-    written = parts.rows("attacks", schemas.EVALUATION_ATTACKS, write_attacks)
-    attacked = [Prompt(r["prompt_id"], r["attack"]) for r in written]
+    own = write_attacks(lambda: sampler, policy, goals, attacker_info["system_prompt"],
+                        cfg.attacker_settings.attacker_max_new_tokens, 1, seed, "own", parts)  # fmt: skip
+    attacked = own.attacks
     # contextual behavior's request and context, which HarmBench's classifier reads apart (its prompt_contextual)
     contextual = {p.prompt_id: Goal(p.behavior, p.context) for p in fixed if p.behavior is not None} or None
     # the judge is told the goal each attack was written for (a goal-reading format: HarmBench, StrongREJECT)
-    attacked_goals = {r["prompt_id"]: Goal(r["goal"]) for r in written}
+    attacked_goals = own.goals
 
     def unsafe(score) -> bool:
         return score.harm is not None and score.harm >= success_threshold

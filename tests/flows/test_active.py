@@ -210,7 +210,8 @@ def test_the_cross_attack_table_sets_each_attacker_against_a_victim_hardened_on_
     from redteam_grpo.core.seeds import derive_seed
     from redteam_grpo.tasks.engine import InProcessSampler, answers
     from redteam_grpo.tasks.evaluate import prompt_set
-    from redteam_grpo.tasks.evaluate_active import found_in, write_attacks
+    from redteam_grpo.tasks.evaluate_active import found_in
+    from redteam_grpo.tasks.evaluate_defense import write_attacks
     from redteam_grpo.tasks.harden import harden_victim
     from redteam_grpo.tasks.resources import resources_for
 
@@ -267,6 +268,7 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_parts_to_the_same_r
     import pyarrow.parquet as pq
 
     import redteam_grpo.tasks.evaluate_active as module
+    import redteam_grpo.tasks.evaluate_defense as defense_module
 
     harden, answers = module.harden_victim, module.answers
     calls = {"harden": 0, "answers": 0}
@@ -284,6 +286,7 @@ def test_an_interrupted_evaluation_resumes_from_its_finished_parts_to_the_same_r
 
     monkeypatch.setattr(module, "harden_victim", interrupted_at_the_second_hardening)
     monkeypatch.setattr(module, "answers", counted)
+    monkeypatch.setattr(defense_module, "answers", counted)  # where the attackers' prompts are written
     with pytest.raises(KeyboardInterrupt):
         module.evaluate_active.fn(str(whole.root), _options(against=str(rival.root), **CROSS))
     before = calls["answers"]  # the attackers' prompts, the victims', the base's and the first hardened victim's
