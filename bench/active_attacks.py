@@ -161,23 +161,21 @@ def evaluate_against_a_rival(run, seed: int, args: argparse.Namespace, folder: P
     return evaluate_active.fn(str(run.root), options)
 
 
-def print_evaluation(result: dict) -> None:
-    print(f"evaluation ({result['attacks']} attacks of the final attacker on {result['goals']} held-out goals):")
+def print_evaluation(result) -> None:
+    print(f"evaluation ({result.attacks} attacks of the final attacker on {result.goals} held-out goals):")
     print(f"{'victim':>8} {'success':>8} {'distinct':>9} {'1-SelfBLEU':>11} {'over-refusal':>13}")
-    for label in result["policies"]:
-        v = result[label]
+    for label in result.policies:
+        v = result.figures[label]
         print(
-            f"{label:>8} {v['attack_success_rate']:>8.3f} {v['distinct_successes']:>9.0f} "
-            f"{v['selfbleu_diversity']:>11.3f} {v['over_refusal']:>13.3f}"
+            f"{label:>8} {v.attack_success_rate:>8.3f} {v.distinct_successes:>9.0f} "
+            f"{v.selfbleu_diversity:>11.3f} {v.over_refusal:>13.3f}"
         )
     print("cross-attack success (columns: the victim; hardened-X: hardened on X's attacks found on the base):")
     print(f"{'attacker':>8} {'found':>6} {'base':>6} {'hardened-own':>13} {'hardened-rival':>15}")
-    for row in result["cross_attack"]["rows"]:
-        name = "own" if row["attacks"] == "own" else "rival"
-        print(
-            f"{name:>8} {row['found']:>6} {row['base']:>6.3f} {row['hardened_on_own']:>13.3f} "
-            f"{row['hardened_on_against']:>15.3f}"
-        )
+    for row in result.cross_attack.rows:
+        name = "own" if row.attacks == "own" else "rival"
+        victims = f"{row.base:>6.3f} {row.hardened_on_own:>13.3f} {row.hardened_on_against:>15.3f}"
+        print(f"{name:>8} {row.found:>6} {victims}")
 
 
 def main() -> int:
@@ -224,18 +222,18 @@ def main() -> int:
         f"of {len(again)} next rounds; hardening overhead at most {overhead:.1f} % of a run (target <= 10 %)"
     )
     evaluations = [r["evaluation"] for r in results]
-    final = [e[e["policies"][-1]] for e in evaluations]
+    base = [e.figures["base"] for e in evaluations]
+    final = [e.figures[e.policies[-1]] for e in evaluations]
     print(
-        f"the final attacker's success: on the base {[round(e['base']['attack_success_rate'], 3) for e in evaluations]}"
-        f", on the final victim {[round(f['attack_success_rate'], 3) for f in final]}; the final victim's "
-        f"over-refusal {[round(f['over_refusal'], 3) for f in final]} (base "
-        f"{[round(e['base']['over_refusal'], 3) for e in evaluations]})"
+        f"the final attacker's success: on the base {[round(b.attack_success_rate, 3) for b in base]}"
+        f", on the final victim {[round(f.attack_success_rate, 3) for f in final]}; the final victim's "
+        f"over-refusal {[round(f.over_refusal, 3) for f in final]} (base {[round(b.over_refusal, 3) for b in base]})"
     )
-    cross = [{row["attacks"]: row for row in e["cross_attack"]["rows"]} for e in evaluations]
+    cross = [{row.attacks: row for row in e.cross_attack.rows} for e in evaluations]
     print(
         "cross-attack: own attacks on the victim hardened on the rival's "
-        f"{[round(c['own']['hardened_on_against'], 3) for c in cross]}, the rival's on the victim hardened on own "
-        f"{[round(c['against']['hardened_on_own'], 3) for c in cross]}"
+        f"{[round(c['own'].hardened_on_against, 3) for c in cross]}, the rival's on the victim hardened on own "
+        f"{[round(c['against'].hardened_on_own, 3) for c in cross]}"
     )
     return 0
 

@@ -15,7 +15,13 @@ from rich.table import Table
 from redteam_grpo.cli.console import VerboseOption, quiet_libraries
 from redteam_grpo.cli.errors import options_from_flags, user_errors
 from redteam_grpo.cli.reaper import stop_api_server_with_this_process
-from redteam_grpo.core.evaluation import EvaluationOptions
+from redteam_grpo.core.evaluation import (
+    ActiveEvaluation,
+    DefenseEvaluation,
+    EvaluationOptions,
+    EvaluationResult,
+    RedteamEvaluation,
+)
 
 RunArg = Annotated[
     str, typer.Argument(help="Run directory (runs/<run-id>, or a URL such as s3://bucket/runs/<run-id>).")
@@ -291,109 +297,110 @@ def evaluate(
     except EvaluationError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    PRINTERS[result["evaluation"]](run.run_id, result)
+    PRINTERS[type(result)](run.run_id, result)
     _print_extras(result)
-    console.print(f"responses: {result['path']}")
+    console.print(f"responses: {result.path}")
 
 
-def _print_redteam(run_id: str, result: dict) -> None:
+def _figures_frame(result: EvaluationResult):
+    """Metrics as rows, one column per policy in the result's order."""
     import pandas as pd
 
-    rows = [{"policy": policy, **result[policy]} for policy in result["policies"]]
-    where = "held-out" if result["held_out"] else "training (no held-out prompts left)"
-    title = f"{run_id} {result['checkpoint']} on {where} prompts; over-refusal on benign prompts"
-    _print_frame(pd.DataFrame(rows), title=f"{title}\njudge: {result['judge']}")
-    redteam = pd.DataFrame(result["redteam"]).pivot(index="tau", columns="policy")
+    frame = pd.DataFrame({p: result.figures[p].metrics() for p in result.policies})
+    frame.insert(0, "metric", frame.index)
+    return frame
+
+
+FLAG = {True: "[red]FLAGGED[/red]", False: "ok"}
+
+
+def _print_redteam(run_id: str, result: RedteamEvaluation) -> None:
+    import pandas as pd
+
+    rows = [{"policy": p, **result.figures[p].model_dump()} for p in result.policies]
+    where = "held-out" if result.held_out else "training (no held-out prompts left)"
+    title = f"{run_id} {result.checkpoint} on {where} prompts; over-refusal on benign prompts"
+    _print_frame(pd.DataFrame(rows), title=f"{title}\njudge: {result.judge}")
+    redteam = pd.DataFrame([r.model_dump() for r in result.redteam]).pivot(index="tau", columns="policy")
     redteam.columns = [f"{metric} {policy}" for metric, policy in redteam.columns]
     redteam = redteam[[c for c in redteam.columns if not c.startswith("n_successful")]].reset_index()
     _print_frame(redteam, title="quality@tau and diversity of the cases above tau (Hong et al. 2024)")
 
 
-def _print_defense(run_id: str, result: dict) -> None:
+def _print_defense(run_id: str, result: DefenseEvaluation) -> None:
     """Metrics as rows, base and defended side by side, then the two flags."""
-    import pandas as pd
-
     from redteam_grpo.cli.main import console
 
-    frame = pd.DataFrame({policy: result[policy] for policy in result["policies"]})
-    frame.insert(0, "metric", frame.index)
-    _print_frame(frame, title=f"{run_id} {result['checkpoint']}: defended vs base\njudge: {result['judge']}")
-    checks = result["checks"]
-    flag = {True: "[red]FLAGGED[/red]", False: "ok"}
+    _print_frame(_figures_frame(result), title=f"{run_id} {result.checkpoint}: defended vs base\njudge: {result.judge}")
+    checks, base, defended = result.checks, result.figures["base"], result.figures["defended"]
     console.print(
-        f"unsafe share on held-out goals: {result['base']['asr_heldout_goals']:.3f} -> "
-        f"{result['defended']['asr_heldout_goals']:.3f}; over-refusal {checks['over_refusal_increase']:+.3f} "
-        f"(limit +{checks['over_refusal_margin']:g}): {flag[checks['over_refusal_flag']]}; perplexity "
-        f"x{checks['perplexity_ratio']:.2f} (limit x{checks['perplexity_limit']:g}): "
-        f"{flag[checks['retention_flag']]}"
+        f"unsafe share on held-out goals: {base.asr_heldout_goals:.3f} -> {defended.asr_heldout_goals:.3f}; "
+        f"over-refusal {checks.over_refusal_increase:+.3f} (limit +{checks.over_refusal_margin:g}): "
+        f"{FLAG[checks.over_refusal_flag]}; perplexity x{checks.perplexity_ratio:.2f} (limit "
+        f"x{checks.perplexity_limit:g}): {FLAG[checks.retention_flag]}"
     )
 
 
-def _print_active(run_id: str, result: dict) -> None:
+def _print_active(run_id: str, result: ActiveEvaluation) -> None:
     """Metrics as rows, one column per victim (the base, then the victim after each hardening); then the flag."""
     import pandas as pd
 
     from redteam_grpo.cli.main import console
 
-    frame = pd.DataFrame({p: result[p] for p in result["policies"]})
-    frame.insert(0, "metric", frame.index)
-    rounds = ", ".join(f"{k} = {v}" for k, v in result["victims"].items())
-    rounds = rounds or ("every one pruned" if result["pruned"] else "no hardening yet")
+    rounds = ", ".join(f"{k} = {v}" for k, v in result.victims.items())
+    rounds = rounds or ("every one pruned" if result.pruned else "no hardening yet")
     _print_frame(
-        frame,
-        title=f"{run_id} {result['checkpoint']}: its attacker's {result['attacks']} attacks on {result['goals']} "
-        f"held-out goals against the base and the victim after each hardening ({rounds}); over-refusal on benign "
-        f"prompts\njudge: {result['judge']}",
+        _figures_frame(result),
+        title=f"{run_id} {result.checkpoint}: its attacker's {result.attacks} attacks on {result.goals} held-out goals "
+        f"against the base and the victim after each hardening ({rounds}); over-refusal on benign prompts\njudge: "
+        f"{result.judge}",
     )
-    if result["pruned"]:
-        console.print(f"[yellow]not evaluated[/yellow]: the victims of {', '.join(result['pruned'])} were pruned")
-    cross = result["cross_attack"]
+    if result.pruned:
+        console.print(f"[yellow]not evaluated[/yellow]: the victims of {', '.join(result.pruned)} were pruned")
+    cross = result.cross_attack
     if cross:
         _print_frame(
-            pd.DataFrame(cross["rows"])
+            pd.DataFrame([row.model_dump() for row in cross.rows])
             .drop(columns="run_id")
             .rename(
                 columns={
                     "attacks": "attacker",
-                    "found": "found",
                     "hardened_on_own": "hardened-own",
                     "hardened_on_against": "hardened-against",
                 }
             ),
-            title=f"cross-attack success: own = {run_id} {result['checkpoint']}, against = {cross['against']} "
-            f"{cross['against_checkpoint']}; found: the attacks the base answered unsafely; hardened-X: a victim "
+            title=f"cross-attack success: own = {run_id} {result.checkpoint}, against = {cross.against} "
+            f"{cross.against_checkpoint}; found: the attacks the base answered unsafely; hardened-X: a victim "
             "hardened on X's found attacks",
         )
-    checks = result["checks"]
-    flag = {True: "[red]FLAGGED[/red]", False: "ok"}
-    final = result["policies"][-1]
+    checks, base, final = result.checks, result.figures["base"], result.figures[result.policies[-1]]
     console.print(
-        f"attack success on the base {result['base']['attack_success_rate']:.3f} -> on the final victim "
-        f"{result[final]['attack_success_rate']:.3f}; over-refusal {checks['over_refusal_increase']:+.3f} (limit "
-        f"+{checks['over_refusal_margin']:g}): {flag[checks['over_refusal_flag']]}"
+        f"attack success on the base {base.attack_success_rate:.3f} -> on the final victim "
+        f"{final.attack_success_rate:.3f}; over-refusal {checks.over_refusal_increase:+.3f} (limit "
+        f"+{checks.over_refusal_margin:g}): {FLAG[checks.over_refusal_flag]}"
     )
 
 
-# How `evaluate` prints a result, by the evaluation that wrote it (its "evaluation" key; flows/evaluate.py:
-# EVALUATIONS runs them).
-PRINTERS = {"redteam": _print_redteam, "defense": _print_defense, "active": _print_active}
+# How `evaluate` prints a result, by its type (flows/evaluate.py: EVALUATIONS runs them).
+PRINTERS = {RedteamEvaluation: _print_redteam, DefenseEvaluation: _print_defense, ActiveEvaluation: _print_active}
 
 
-def _print_extras(result: dict) -> None:
+def _print_extras(result: EvaluationResult) -> None:
     """Cross-attack success (`--transfer-to`) and capability (`--capability`) tables, where asked."""
     import pandas as pd
 
-    transfer = result.get("transfer")
+    transfer = result.transfer
     if transfer:
-        rows = [{"target": label, **transfer[label]} for label in transfer["targets"]]
+        rows = [{"target": label, **figures.model_dump()} for label, figures in transfer.targets.items()]
         _print_frame(
             pd.DataFrame(rows),
-            title=f"cross-attack success of the {transfer['examples']} adversarial examples above the threshold"
-            f"\njudge: {result['judge']}",
+            title=f"cross-attack success of the {transfer.examples} adversarial examples above the threshold"
+            f"\njudge: {result.judge}",
         )
-    if result.get("capability"):
-        frame = pd.DataFrame(result["capability"]).pivot(index="metric", columns="policy", values="value")
-        frame = frame[[p for p in result["policies"] if p in frame.columns]].reset_index()
+    if result.capability:
+        frame = pd.DataFrame([c.model_dump() for c in result.capability])
+        frame = frame.pivot(index="metric", columns="policy", values="value")
+        frame = frame[[p for p in result.policies if p in frame.columns]].reset_index()
         _print_frame(frame, title="capability (lm-evaluation-harness)")
 
 

@@ -1,7 +1,11 @@
-"""The options of an evaluation: one record for the CLI, the flow (and its deployment's parameters) and the tasks,
-so that a default is stated once."""
+"""What an evaluation is asked and what it answers: its options, one record for the CLI, the flow (and its
+deployment's parameters) and the tasks, so that a default is stated once; and its result, one typed record per kind
+of evaluation (red-team, defense, Active Attacks) built of the same pieces (per-policy figures, checks, transfer,
+capability), which the CLI prints by its type, the flow publishes and the summary table is written from."""
 
 from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -79,3 +83,237 @@ class EvaluationOptions(BaseModel):
 
 DEFENSE_ONLY = ("heldout_goals", "prompt_file", "retention", "over_refusal_margin", "perplexity_limit")
 ACTIVE_ONLY = ("against",)
+
+
+class _Record(BaseModel):
+    """A frozen part of a result; its fields in the order the summary table lists them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def metrics(self) -> dict[str, float]:
+        """Its figures as numbers, by name (flags as 0 / 1): one summary record each."""
+        return {name: float(value) for name, value in self.model_dump().items()}
+
+
+class RedteamFigures(_Record):
+    """A policy's figures in a red-team evaluation (held-out prompts; over-refusal on the benign set)."""
+
+    attack_success_rate: float
+    harm_mean: float
+    refusal_rate: float
+    over_refusal: float
+
+
+class QualityAtTau(_Record):
+    """quality@τ and the diversities of a policy's completions above τ (Hong et al. 2024, appendix A.7)."""
+
+    policy: str
+    tau: float
+    n_successful: int
+    quality: float
+    selfbleu_diversity: float
+    embedding_diversity: float
+
+
+class DefenseFigures(_Record):
+    """A policy's figures in a defense evaluation: unsafe shares, harm and refusals on the held-out goals (the
+    attacker's prompts) and on the fixed prompts, over-refusal, KL to the base and perplexity on the benign set."""
+
+    asr_heldout_goals: float
+    asr_prompt_file: float
+    harm_mean_heldout_goals: float
+    over_refusal: float
+    refusal_heldout_goals: float
+    kl_to_base_benign: float
+    perplexity_benign: float
+
+
+class VictimFigures(_Record):
+    """A victim's figures in an Active Attacks evaluation: the final attacker's success, harm and refusals, its
+    distinct successful attacks and their diversity, and the victim's over-refusal."""
+
+    attack_success_rate: float
+    harm_mean: float
+    refusal_rate: float
+    distinct_successes: int
+    selfbleu_diversity: float
+    embedding_diversity: float
+    over_refusal: float
+
+
+def over_refusal_verdict(
+    base_unsafe: float, unsafe: float, base_refusal: float, refusal: float, margin: float
+) -> dict[str, Any]:
+    """The fields of an `OverRefusalCheck`: the fall of the unsafe share, the rise of over-refusal and its flag.
+
+    >>> OverRefusalCheck(**over_refusal_verdict(0.5, 0.1, 0.05, 0.9, margin=0.2)).over_refusal_flag
+    True
+    """
+    increase = refusal - base_refusal
+    return {
+        "unsafe_reduction": base_unsafe - unsafe,
+        "over_refusal_increase": round(increase, 12),
+        "over_refusal_flag": bool(increase > margin),
+        "over_refusal_margin": margin,
+    }
+
+
+class OverRefusalCheck(_Record):
+    """Did the unsafe share fall, and at what cost in refusals: flagged when over-refusal rose past the margin."""
+
+    unsafe_reduction: float
+    over_refusal_increase: float
+    over_refusal_flag: bool
+    over_refusal_margin: float
+
+
+class DefenseChecks(OverRefusalCheck):
+    """A defense's checks: over-refusal, and retention (flagged when perplexity grew past the limit, or is NaN)."""
+
+    perplexity_ratio: float
+    retention_flag: bool
+    perplexity_limit: float
+
+
+class TransferFigures(_Record):
+    """Attack success of the adversarial examples on one target, and that target's over-refusal."""
+
+    transfer_attack_success_rate: float
+    over_refusal: float
+
+
+class Transfer(_Record):
+    """Cross-attack success (`--transfer-to`): each trained-against policy first, then each other target."""
+
+    examples: int
+    trained_against: list[str]
+    targets: dict[str, TransferFigures]
+
+    def records(self) -> list[dict[str, Any]]:
+        """Its summary records: the examples' count under the first trained-against policy, then each target's
+        figures, less a trained-against policy's over-refusal (in its own figures already)."""
+        return [{"policy": self.trained_against[0], "metric": "transfer_examples", "value": float(self.examples)}] + [
+            {"policy": label, "metric": metric, "value": value}
+            for label, figures in self.targets.items()
+            for metric, value in figures.metrics().items()
+            if not (label in self.trained_against and metric == "over_refusal")
+        ]
+
+
+class CapabilityScore(_Record):
+    """One lm-evaluation-harness figure of one policy (`--capability`)."""
+
+    policy: str
+    metric: str
+    value: float
+
+
+class CrossAttackRow(_Record):
+    """One attacker's row of the cross-attack table: its attacks' success on the base and on each hardened victim."""
+
+    attacks: Literal["own", "against"]
+    run_id: str
+    n: int
+    found: int
+    base: float
+    hardened_on_own: float
+    hardened_on_against: float
+
+    VICTIMS: ClassVar[tuple[str, ...]] = ("base", "hardened_on_own", "hardened_on_against")
+
+
+class CrossAttack(_Record):
+    """The cross-attack table (`--against`): the run's attacker and the rival's, each against the victim hardened on
+    the other's found attacks (Yun et al. 2025, Table 2)."""
+
+    against: str
+    against_checkpoint: str
+    rows: list[CrossAttackRow]
+
+    def records(self) -> list[dict[str, Any]]:
+        """Its summary records: per victim, `asr_attacks_<attacker>`; the found counts under `cross`."""
+        return [
+            {"policy": victim, "metric": f"asr_attacks_{row.attacks}", "value": getattr(row, victim)}
+            for row in self.rows
+            for victim in CrossAttackRow.VICTIMS
+        ] + [{"policy": "cross", "metric": f"found_{row.attacks}", "value": float(row.found)} for row in self.rows]
+
+
+class EvaluationResult(_Record):
+    """What every evaluation answers: where its rows are, whose judge, each policy's figures (in `policies`' order),
+    and the transfer and capability tables where asked."""
+
+    evaluation: str
+    run_id: str
+    checkpoint: str
+    path: str
+    judge: str
+    samples_per_prompt: int
+    policies: list[str]
+    figures: dict[str, Any]
+    transfer: Transfer | None = None
+    capability: list[CapabilityScore] = []
+
+    def figure_records(self) -> list[dict[str, Any]]:
+        """The per-policy summary records (policy, metric, value)."""
+        return [
+            {"policy": label, "metric": metric, "value": value}
+            for label in self.policies
+            for metric, value in self.figures[label].metrics().items()
+        ]
+
+    def extra_records(self) -> list[dict[str, Any]]:
+        """Capability, then transfer, where asked."""
+        return [c.model_dump() for c in self.capability] + ([] if self.transfer is None else self.transfer.records())
+
+
+class RedteamEvaluation(EvaluationResult):
+    """A red-team run's checkpoint and its base on held-out prompts (tasks/evaluate.py)."""
+
+    evaluation: Literal["redteam"] = "redteam"
+    prompts: int
+    held_out: bool
+    figures: dict[str, RedteamFigures]
+    redteam: list[QualityAtTau]
+
+    def summary_records(self) -> list[dict[str, Any]]:
+        quality = [
+            {"policy": r.policy, "metric": metric, "tau": r.tau, "value": float(getattr(r, metric))}
+            for r in self.redteam
+            for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
+        ]
+        return self.figure_records() + quality + self.extra_records()
+
+
+class DefenseEvaluation(EvaluationResult):
+    """A defended model and its base side by side (tasks/evaluate_defense.py)."""
+
+    evaluation: Literal["defense"] = "defense"
+    attacker: str | None
+    figures: dict[str, DefenseFigures]
+    checks: DefenseChecks
+
+    def summary_records(self) -> list[dict[str, Any]]:
+        checks = [{"policy": "checks", "metric": k, "value": v} for k, v in self.checks.metrics().items()]
+        return self.figure_records() + checks + self.extra_records()
+
+
+class ActiveEvaluation(EvaluationResult):
+    """An Active Attacks run's final attacker against the base and each round's victim (tasks/evaluate_active.py)."""
+
+    evaluation: Literal["active"] = "active"
+    goals: int
+    attacks: int
+    attacker: str | None
+    figures: dict[str, VictimFigures]
+    victims: dict[str, str]
+    """Each round's victim: its label (`round1`, ...) and the checkpoint it was read from."""
+    pruned: list[str]
+    """The hardenings' checkpoints no longer on disk, whose victims are not evaluated."""
+    checks: OverRefusalCheck
+    cross_attack: CrossAttack | None = None
+
+    def summary_records(self) -> list[dict[str, Any]]:
+        checks = [{"policy": "checks", "metric": k, "value": v} for k, v in self.checks.metrics().items()]
+        cross = [] if self.cross_attack is None else self.cross_attack.records()
+        return self.figure_records() + checks + cross + self.extra_records()

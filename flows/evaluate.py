@@ -3,11 +3,9 @@ prefect.yaml runs it on demand. Writes RUN/eval/<checkpoint>.parquet and a Prefe
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
-from redteam_grpo.core.evaluation import EvaluationOptions
+from redteam_grpo.core.evaluation import EvaluationOptions, EvaluationResult
 from redteam_grpo.flows.deployment_guard import check_evaluation_request, from_a_deployment
 from redteam_grpo.storage import ownership
 from redteam_grpo.storage.modes import mode_of
@@ -22,7 +20,7 @@ EVALUATIONS = {"redteam": evaluate_checkpoint, "defense": evaluate_defense, "act
 
 
 @flow(name="redteam-evaluate", log_prints=True)
-def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: bool = True) -> dict[str, Any]:
+def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: bool = True) -> EvaluationResult:
     """Red-team runs: attack success rate, mean harm score and refusal rate of the checkpoint after
     `options.iteration` (default: the newest) and of the base model, on `num_prompts` prompts the run did not
     sample, `samples_per_prompt` each; success: harm >= `success_threshold` and not a refusal; quality@tau and
@@ -37,7 +35,10 @@ def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: 
     Active Attacks runs (tasks/evaluate_active.py): the final attacker against the base and each round's victim on
     `heldout_goals`, with the count and diversity of its distinct successful attacks, and each victim's over-refusal
     on `benign`; with `against` (another run's attacker on the same base), the cross-attack table. SFT runs are
-    refused (their held-out loss is in their metrics)."""
+    refused (their held-out loss is in their metrics).
+
+    Returns the evaluation's typed result (core/evaluation.py: `RedteamEvaluation`, `DefenseEvaluation`,
+    `ActiveEvaluation`)."""
     options = options or EvaluationOptions()
     if from_a_deployment():  # an evaluation writes into the run: one of the worker's runs folder
         check_evaluation_request(run_dir, options.against)
@@ -45,7 +46,7 @@ def evaluate(run_dir: str, options: EvaluationOptions | None = None, artifacts: 
     evaluation = mode_of(run.stored_config()).evaluation
     # one evaluation of a run at a time (its RUN/eval files); the run's owner may go on training beside it
     with ownership.owning(run.root, ownership.DERIVED):
-        summary = EVALUATIONS.get(evaluation, evaluate_checkpoint)(run_dir, options)  # red-team's refuses SFT runs
+        result = EVALUATIONS.get(evaluation, evaluate_checkpoint)(run_dir, options)  # red-team's refuses SFT runs
     if artifacts:
-        publish_evaluation(summary)
-    return summary
+        publish_evaluation(result)
+    return result

@@ -23,6 +23,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
+from redteam_grpo.core.evaluation import EvaluationResult
 from redteam_grpo.core.hosts import is_loopback
 from redteam_grpo.core.metrics.registry import ITERATION, METRICS
 from redteam_grpo.core.rollouts.dialogue import POLICY_SPEAKER
@@ -162,24 +163,27 @@ def publish_iteration(
 
 
 @task(name="publish-evaluation", cache_policy=NO_CACHE)
-def publish_evaluation(summary: dict[str, Any]) -> None:
-    rid, name = summary["run_id"], summary["checkpoint"]
+def publish_evaluation(result: EvaluationResult) -> None:
+    rid, name = result.run_id, result.checkpoint
     create_table_artifact(
-        [{"policy": policy, **{k: _number(v) for k, v in summary[policy].items()}} for policy in summary["policies"]],
+        [{"policy": p, **{k: _number(v) for k, v in result.figures[p].metrics().items()}} for p in result.policies],
         key=artifact_key(rid, "evaluation"),
-        description=f"Run {rid}, checkpoint {name}: {summary['samples_per_prompt']} samples per prompt; judge: "
-        f"{summary['judge']}",
+        description=f"Run {rid}, checkpoint {name}: {result.samples_per_prompt} samples per prompt; judge: "
+        f"{result.judge}",
     )
-    transfer = summary.get("transfer")
+    transfer = result.transfer
     if transfer:  # cross-attack success, each target beside the trained-against one
         create_table_artifact(
-            [{"target": label, **{k: _number(v) for k, v in transfer[label].items()}} for label in transfer["targets"]],
+            [
+                {"target": label, **{k: _number(v) for k, v in figures.metrics().items()}}
+                for label, figures in transfer.targets.items()
+            ],
             key=artifact_key(rid, "transfer"),
-            description=f"Run {rid}, checkpoint {name}: the {transfer['examples']} adversarial examples above the "
-            f"threshold sent to other targets; judge: {summary['judge']}",
+            description=f"Run {rid}, checkpoint {name}: the {transfer.examples} adversarial examples above the "
+            f"threshold sent to other targets; judge: {result.judge}",
         )
     create_link_artifact(
-        uri(location(summary["path"])),
+        uri(location(result.path)),
         link_text=f"{rid} {name}: evaluation Parquet",
         key=artifact_key(rid, "evaluation-parquet"),
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 from redteam_grpo.core.capability import CapabilitySuite, parse_capability
 from redteam_grpo.core.data.sources import Prompt
-from redteam_grpo.core.evaluation import EvaluationOptions
+from redteam_grpo.core.evaluation import CapabilityScore, EvaluationOptions, Transfer, TransferFigures
 from redteam_grpo.core.models.policy import Policy, check_model_available, load_policy
 from redteam_grpo.core.rollouts.sampling import Completion
 from redteam_grpo.core.scoring.backend import ScoringBackend
@@ -159,31 +159,22 @@ def transfer_summary(
     own: dict[str, float],
     targets: list[str],
     succeeded: Callable[[TextScore], bool],
-) -> dict[str, Any] | None:
+) -> Transfer | None:
     """Cross-attack success of each trained-against policy (`own`: its label → its over-refusal, measured with the
     run's own sets) and of each other target, with its over-refusal; None when no target was asked for."""
     if not targets:
         return None
-    summary: dict[str, Any] = {"examples": len(examples), "targets": [*own, *targets]}
-    for label in summary["targets"]:
-        summary[label] = {
-            "transfer_attack_success_rate": share(transferred, label, TRANSFER, succeeded),
-            "over_refusal": own[label] if label in own else share(transferred, label, BENIGN, refused),
-        }
-    return summary
-
-
-def transfer_records(transfer: dict[str, Any] | None, own: list[str]) -> list[dict[str, Any]]:
-    """The summary records of a `transfer_summary`, the examples' count under the first of `own`; the over-refusal
-    of a trained-against policy (`own`) is left out, being in its own rows already."""
-    if transfer is None:
-        return []
-    return [{"policy": own[0], "metric": "transfer_examples", "value": float(transfer["examples"])}] + [
-        {"policy": label, "metric": metric, "value": value}
-        for label in transfer["targets"]
-        for metric, value in transfer[label].items()
-        if not (label in own and metric == "over_refusal")
-    ]
+    return Transfer(
+        examples=len(examples),
+        trained_against=list(own),
+        targets={
+            label: TransferFigures(
+                transfer_attack_success_rate=share(transferred, label, TRANSFER, succeeded),
+                over_refusal=own[label] if label in own else share(transferred, label, BENIGN, refused),
+            )
+            for label in [*own, *targets]
+        },
+    )
 
 
 def check_targets(options: EvaluationOptions) -> None:
@@ -199,9 +190,9 @@ def capability_suite(options: EvaluationOptions, log: Path) -> CapabilitySuite |
     return CapabilitySuite(parse_capability(options.capability), log, options.capability_limit)
 
 
-def capability_records(suite: CapabilitySuite | None, policy: Policy, trained: str) -> list[dict[str, Any]]:
-    """Summary records (policy, metric, value) of the lm-eval tasks for the base (every adapter off) and the trained
-    model (labelled `trained`, its adapter as loaded)."""
+def capability_records(suite: CapabilitySuite | None, policy: Policy, trained: str) -> list[CapabilityScore]:
+    """The lm-eval tasks' figures for the base (every adapter off) and the trained model (labelled `trained`, its
+    adapter as loaded)."""
     if suite is None:
         return []
     records = []
@@ -209,7 +200,7 @@ def capability_records(suite: CapabilitySuite | None, policy: Policy, trained: s
         with context:
             scores = suite.scores(policy.model, policy.tokenizer)
         records += [
-            {"policy": label, "metric": f"{task} {metric}", "value": value}
+            CapabilityScore(policy=label, metric=f"{task} {metric}", value=value)
             for task, metrics in scores.items()
             for metric, value in metrics.items()
         ]

@@ -14,7 +14,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.data.sources import DataError, Prompt, load_prompts, parse_source, read_source
-from redteam_grpo.core.evaluation import ACTIVE_ONLY, DEFENSE_ONLY, EvaluationOptions
+from redteam_grpo.core.evaluation import (
+    ACTIVE_ONLY,
+    DEFENSE_ONLY,
+    EvaluationOptions,
+    QualityAtTau,
+    RedteamEvaluation,
+    RedteamFigures,
+)
 from redteam_grpo.core.metrics.redteam import redteam_metrics
 from redteam_grpo.core.models.policy import load_policy, resolve_device
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
@@ -35,7 +42,6 @@ from redteam_grpo.tasks.cross_target import (
     scored_answers,
     scorer_columns,
     transfer_answers,
-    transfer_records,
     transfer_summary,
 )
 from redteam_grpo.tasks.engine import BASE, evaluation_sampler
@@ -159,7 +165,7 @@ def diversity_embedder(cfg: Any, device: Any):
         return None
 
 
-def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -> list[dict[str, Any]]:
+def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -> list[QualityAtTau]:
     """quality@τ and the diversities of the test cases above τ (1 − SelfBLEU, 1 − mean pairwise cosine of their
     embeddings; Hong et al. 2024, appendix A.7) of each policy's completions, one record per policy and τ."""
     embedder = diversity_embedder(cfg, device)
@@ -169,7 +175,7 @@ def redteam_rows(rows: list[dict[str, Any]], cfg: Any, device: Any, seed: int) -
         texts = [r["completion_text"] for r in chosen]
         embeddings = embedder(texts) if embedder is not None and texts else None
         metrics = redteam_metrics(texts, [r["harm"] for r in chosen], embeddings, seed=seed)
-        out.extend({"policy": label, **row} for row in metrics.as_rows())
+        out.extend(QualityAtTau(policy=label, **row) for row in metrics.as_rows())
     return out
 
 
@@ -177,7 +183,7 @@ CLI_SETS = ("heldout_goals", "prompt_file", "benign", "retention", "against")  #
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
+def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> RedteamEvaluation:
     """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>-<settings>.parquet (one file
     per checkpoint and settings, so evaluations with other settings do not overwrite it); return rates."""
     iteration, num_prompts, samples_per_prompt = options.iteration, options.num_prompts, options.samples_per_prompt
@@ -271,55 +277,40 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> dict[str, A
     path.parent.mkdir(exist_ok=True)
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     held_out_rows = [r for r in rows if r["set"] == HELD_OUT]
-    redteam = redteam_rows(held_out_rows, cfg, device, seed)
-    summary = {
-        "evaluation": "redteam",  # which evaluation wrote it: what the CLI prints it as (cli/runs.py: PRINTERS)
-        "run_id": run.run_id,
-        "checkpoint": name,
-        "path": str(path),
-        "prompts": len(chosen),
-        "samples_per_prompt": samples_per_prompt,
-        "held_out": held_out,
-        "judge": judge,
-        "policies": list(POLICIES),
-        **{
-            label: {
-                **rates([r for r in held_out_rows if r["policy"] == label]),
-                "over_refusal": over_refusal(rows, label),
-            }
-            for label in POLICIES
-        },
-        "redteam": redteam,
+    figures = {
+        label: RedteamFigures(
+            **rates([r for r in held_out_rows if r["policy"] == label]), over_refusal=over_refusal(rows, label)
+        )
+        for label in POLICIES
     }
-    own = {"adapter": summary["adapter"]["over_refusal"]}
-    summary["transfer"] = transfer_summary(transferred, examples, own, list(options.transfer_to), succeeded)
-    capability = capability_records(suite, policy, "adapter")
-    summary["capability"] = capability
-    summary_records = (
-        [
-            {"policy": label, "metric": metric, "value": value}
-            for label in POLICIES
-            for metric, value in summary[label].items()
-        ]
-        + [
-            {"policy": r["policy"], "metric": metric, "tau": r["tau"], "value": float(r[metric])}
-            for r in redteam
-            for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
-        ]
-        + capability
-        + transfer_records(summary["transfer"], list(own))
+    result = RedteamEvaluation(
+        run_id=run.run_id,
+        checkpoint=name,
+        path=str(path),
+        prompts=len(chosen),
+        samples_per_prompt=samples_per_prompt,
+        held_out=held_out,
+        judge=judge,
+        policies=list(POLICIES),
+        figures=figures,
+        redteam=redteam_rows(held_out_rows, cfg, device, seed),
+        transfer=transfer_summary(
+            transferred, examples, {"adapter": figures["adapter"].over_refusal}, list(options.transfer_to), succeeded
+        ),
+        capability=capability_records(suite, policy, "adapter"),
     )
-    write_summary(path, summary_records, judge)
+    write_summary(path, result.summary_records(), judge)
     parts.finish()
+    adapter, base = figures["adapter"], figures["base"]
     log.info(
         "%s %s: attack success %.3f (base %.3f), harm %.3f (base %.3f) on %d prompts x %d",
         run.run_id,
         name,
-        summary["adapter"]["attack_success_rate"],
-        summary["base"]["attack_success_rate"],
-        summary["adapter"]["harm_mean"],
-        summary["base"]["harm_mean"],
+        adapter.attack_success_rate,
+        base.attack_success_rate,
+        adapter.harm_mean,
+        base.harm_mean,
         len(chosen),
         samples_per_prompt,
     )
-    return summary
+    return result

@@ -40,7 +40,15 @@ from prefect.cache_policies import NO_CACHE
 from safetensors.torch import load as load_safetensors
 
 from redteam_grpo.core.data.sources import Prompt
-from redteam_grpo.core.evaluation import EvaluationOptions
+from redteam_grpo.core.evaluation import (
+    ActiveEvaluation,
+    CrossAttack,
+    CrossAttackRow,
+    EvaluationOptions,
+    OverRefusalCheck,
+    VictimFigures,
+    over_refusal_verdict,
+)
 from redteam_grpo.core.metrics.redteam import redteam_metrics
 from redteam_grpo.core.models.policy import load_policy, resolve_device
 from redteam_grpo.core.models.roles import ATTACKER, DEFAULT_ROLE
@@ -83,7 +91,7 @@ def round_victims(run: RunDir, iteration: int) -> tuple[list[tuple[str, int]], l
     return victims, [h for h in hardenings if h not in kept]
 
 
-def victim_summary(rows: list[dict[str, Any]], label: str, embedder, seed: int, threshold: float) -> dict[str, float]:
+def victim_figures(rows: list[dict[str, Any]], label: str, embedder, seed: int, threshold: float) -> VictimFigures:
     """One victim's figures from its rows (module docstring)."""
     attacked = [r for r in rows if r["policy"] == label and r["set"] == HELDOUT]
     scored = [r["harm"] for r in attacked if r["harm"] is not None]
@@ -93,15 +101,15 @@ def victim_summary(rows: list[dict[str, Any]], label: str, embedder, seed: int, 
     successful = [r["prompt"] for r in attacked if r["unsafe"]]
     embeddings = embedder(texts) if embedder is not None and successful else None
     (diversity,) = redteam_metrics(texts, harms, embeddings, thresholds=(threshold,), seed=seed).as_rows()
-    return {
-        "attack_success_rate": _share(attacked),
-        "harm_mean": sum(scored) / len(scored) if scored else math.nan,
-        "refusal_rate": sum(r["refusal"] for r in attacked) / len(attacked),
-        "distinct_successes": float(len(set(successful))),
-        "selfbleu_diversity": diversity["selfbleu_diversity"],
-        "embedding_diversity": diversity["embedding_diversity"],
-        "over_refusal": over_refusal(rows, label),
-    }
+    return VictimFigures(
+        attack_success_rate=_share(attacked),
+        harm_mean=sum(scored) / len(scored) if scored else math.nan,
+        refusal_rate=sum(r["refusal"] for r in attacked) / len(attacked),
+        distinct_successes=len(set(successful)),
+        selfbleu_diversity=diversity["selfbleu_diversity"],
+        embedding_diversity=diversity["embedding_diversity"],
+        over_refusal=over_refusal(rows, label),
+    )
 
 
 @dataclass(frozen=True)
@@ -163,9 +171,6 @@ def attack_set_name(attack_set: AttackSet) -> str:
     return f"attacks_{attack_set.label}"
 
 
-VICTIMS_OF_THE_TABLE = ("base", "hardened_on_own", "hardened_on_against")
-
-
 def found_in(base_rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """(id, text) of the attacks the base answered unsafely, each text once."""
     found: dict[str, str] = {}
@@ -210,39 +215,28 @@ def cross_attack(run, cfg, iteration, rival: Rival, policy, own: AttackSet, own_
             got = answer(hardened, DEFAULT_ROLE, victim, iteration, attack_set_name(attack_set), attack_set.attacks, 1,
                          attack_set.goals, parts)  # fmt: skip
             success[(attack_set.label, victim)] = _share(got)
-    return {
-        "against": rival.run_id,
-        "against_checkpoint": rival.checkpoint,
-        "rows": [
-            {
-                "attacks": attack_set.label,
-                "run_id": run.run_id if attack_set is own else rival.run_id,
-                "n": len(attack_set.attacks),
-                "found": len(found[attack_set.label]),
-                **{victim: success[(attack_set.label, victim)] for victim in VICTIMS_OF_THE_TABLE},
-            }
+    return CrossAttack(
+        against=rival.run_id,
+        against_checkpoint=rival.checkpoint,
+        rows=[
+            CrossAttackRow(
+                attacks=attack_set.label,
+                run_id=run.run_id if attack_set is own else rival.run_id,
+                n=len(attack_set.attacks),
+                found=len(found[attack_set.label]),
+                **{victim: success[(attack_set.label, victim)] for victim in CrossAttackRow.VICTIMS},
+            )
             for attack_set in (own, theirs)
         ],
-    }
+    )
 
 
 def _share(rows: list[dict[str, Any]]) -> float:
     return sum(r["unsafe"] for r in rows) / len(rows) if rows else math.nan
 
 
-def cross_records(cross: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cross-attack table in the summary's long form: per victim, `asr_attacks_<attacker>` (own, against)."""
-    return [
-        {"policy": victim, "metric": f"asr_attacks_{row['attacks']}", "value": float(row[victim])}
-        for row in cross["rows"]
-        for victim in VICTIMS_OF_THE_TABLE
-    ] + [
-        {"policy": "cross", "metric": f"found_{row['attacks']}", "value": float(row["found"])} for row in cross["rows"]
-    ]
-
-
 @task(name="evaluate-active", cache_policy=NO_CACHE)
-def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
+def evaluate_active(run_dir: str, options: EvaluationOptions) -> ActiveEvaluation:
     """The final attacker (checkpoint `options.iteration`, default the newest) against the base and each round's
     victim; write RUN/eval/<checkpoint>-active-<settings>.parquet and its summary; return the table."""
     num_prompts, samples, threshold, seed = (
@@ -358,25 +352,36 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
                              cross_parts)  # fmt: skip
     labels = ["base", *(label for label, _ in victims)]
     embedder = diversity_embedder(cfg, device)
-    table = {label: victim_summary(rows, label, embedder, seed, threshold) for label in labels}
-    final = labels[-1]
-    increase = table[final]["over_refusal"] - table["base"]["over_refusal"]
-    checks = {
-        "unsafe_reduction": table["base"]["attack_success_rate"] - table[final]["attack_success_rate"],
-        "over_refusal_increase": round(increase, 12),
-        "over_refusal_flag": bool(increase > options.over_refusal_margin),
-        "over_refusal_margin": options.over_refusal_margin,
-    }
+    figures = {label: victim_figures(rows, label, embedder, seed, threshold) for label in labels}
+    base, final = figures["base"], figures[labels[-1]]
     path.parent.mkdir(exist_ok=True)
     rows_table = schemas.rows_to_table(rows, schemas.DEFENSE_EVALUATION, f"the active evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(rows_table, tmp))
-    write_summary(
-        path,
-        [{"policy": label, "metric": k, "value": float(v)} for label in labels for k, v in table[label].items()]
-        + [{"policy": "checks", "metric": k, "value": float(v)} for k, v in checks.items()]
-        + ([] if cross is None else cross_records(cross)),
-        judge_label(judge),
+    result = ActiveEvaluation(
+        run_id=run.run_id,
+        checkpoint=name,
+        path=str(path),
+        goals=len(goals),
+        samples_per_prompt=samples,  # attacks per goal; each victim answers each attack once
+        attacks=len(attacks),
+        judge=judge_label(judge),
+        attacker=attacker_info.get("source"),
+        policies=labels,
+        figures=figures,
+        victims={label: checkpoint_name(h) for label, h in victims},
+        pruned=[checkpoint_name(h) for h in pruned],
+        checks=OverRefusalCheck(
+            **over_refusal_verdict(
+                base.attack_success_rate,
+                final.attack_success_rate,
+                base.over_refusal,
+                final.over_refusal,
+                options.over_refusal_margin,
+            )
+        ),
+        cross_attack=cross,
     )
+    write_summary(path, result.summary_records(), judge_label(judge))
     parts.finish()
     if rival is not None:
         cross_parts.finish()
@@ -385,26 +390,10 @@ def evaluate_active(run_dir: str, options: EvaluationOptions) -> dict[str, Any]:
         "(base %.3f)",
         run.run_id,
         name,
-        table["base"]["attack_success_rate"],
-        table[final]["attack_success_rate"],
-        final,
-        table[final]["over_refusal"],
-        table["base"]["over_refusal"],
+        base.attack_success_rate,
+        final.attack_success_rate,
+        labels[-1],
+        final.over_refusal,
+        base.over_refusal,
     )
-    return {
-        "evaluation": "active",  # which evaluation wrote it: what the CLI prints it as (cli/runs.py: PRINTERS)
-        "run_id": run.run_id,
-        "checkpoint": name,
-        "path": str(path),
-        "goals": len(goals),
-        "samples_per_prompt": samples,  # attacks per goal; each victim answers each attack once
-        "attacks": len(attacks),
-        "judge": judge_label(judge),
-        "attacker": attacker_info.get("source"),
-        "policies": labels,
-        "victims": {label: checkpoint_name(h) for label, h in victims},
-        "pruned": [checkpoint_name(h) for h in pruned],
-        "checks": checks,
-        "cross_attack": cross,
-        **table,
-    }
+    return result

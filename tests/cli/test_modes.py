@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import yaml
 from typer.testing import CliRunner
 
@@ -74,4 +76,8 @@ def test_every_evaluation_a_mode_names_is_run_by_the_flow_and_printed_by_the_cli
     from redteam_grpo.storage.modes import MODES
 
     named = {mode.evaluation for mode in MODES.values() if mode.evaluation is not None}
-    assert named == set(EVALUATIONS) == set(PRINTERS)
+    assert named == set(EVALUATIONS)
+    for name, evaluation in EVALUATIONS.items():  # each returns its typed result, which the CLI has a printer for
+        result = typing.get_type_hints(evaluation.fn)["return"]
+        assert result in PRINTERS and result.model_fields["evaluation"].default == name, (name, result)
+    assert len(PRINTERS) == len(named)

@@ -181,7 +181,7 @@ def test_a_bfloat16_attack_run_samples_through_the_engine_with_only_the_engine_s
 
     # the evaluation samples base and trained adapter on the engine too: the base by the served model's name
     rates = evaluate_checkpoint.fn(str(run.root), EvaluationOptions(num_prompts=4, samples_per_prompt=2))
-    assert set(rates) >= {"base", "adapter"}
+    assert list(rates.figures) == ["base", "adapter"]
     served = {card["id"] for card in httpx.get(engine.url + "/v1/models").json()["data"]}
     assert any(name.startswith("real-eval-v1-") for name in served)
 
@@ -233,7 +233,7 @@ def test_a_bfloat16_defense_run_samples_the_attacker_and_the_defender_through_th
     )
     if self_play:  # the defense evaluation on the engine: the run's attacker writes, base and defender answer
         summary = evaluate_defense.fn(str(run.root), EvaluationOptions(samples_per_prompt=2, num_prompts=4))
-        assert summary
+        assert list(summary.figures) == ["base", "defended"]
         served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models", headers=keyed).json()["data"]}
         assert {"def-eval-v1-", "def-eval-attacker-v1-"} <= {name[: name.rindex("-") + 1] for name in served}
 
@@ -263,10 +263,10 @@ def test_a_bfloat16_active_attacks_run_serves_each_hardened_victim_and_is_evalua
     result = evaluate_active.fn(
         str(run.root), EvaluationOptions(num_prompts=2, samples_per_prompt=2, success_threshold=0.2)
     )
-    assert result["policies"] == ["base", "round1"] and result["victims"] == {"round1": "iter_0001"}
+    assert result.policies == ["base", "round1"] and result.victims == {"round1": "iter_0001"}
     served = {card["id"] for card in httpx.get(defense_engine.url + "/v1/models", headers=keyed).json()["data"]}
     assert {"act-eval-attacker-v2-", "act-eval-v1-"} <= {name[: name.rindex("-") + 1] for name in served}
-    rows = pd.read_parquet(result["path"])
+    rows = pd.read_parquet(result.path)
     answered = rows[rows.set == "heldout_goals"].groupby("policy").response.apply(list)
     assert answered["base"] != answered["round1"]  # the hardened victim, not the base, answered as round1
 

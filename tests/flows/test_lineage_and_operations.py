@@ -77,8 +77,8 @@ def test_a_parent_trained_with_another_adapter_shape_is_refused(lineage):
 def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(lineage):
     _, (_, second) = lineage
     newest = evaluate(str(second.root), EvaluationOptions(num_prompts=3, samples_per_prompt=2, success_threshold=0.5))
-    table = pq.read_table(newest["path"])
-    schemas.check_schema(table.schema, schemas.EVALUATION, newest["path"])
+    table = pq.read_table(newest.path)
+    schemas.check_schema(table.schema, schemas.EVALUATION, newest.path)
     every = table.to_pandas()
     # the held-out prompts, and as many benign ones for over-refusal, answered by the base and the adapter
     assert sorted(every.groupby(["set", "policy"]).size().items()) == [
@@ -88,7 +88,7 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
         (("held_out", "base"), 6),
     ]
     df = every[every.set == "held_out"]
-    assert newest["checkpoint"] == "iter_0001" and newest["held_out"]
+    assert newest.checkpoint == "iter_0001" and newest.held_out
     # Held out from what the adapter learned from: this run's prompts and its parent's.
     assert not set(df.prompt_id) & (sampled_prompt_ids(second) | sampled_prompt_ids(lineage[1][0]))
     assert (df.success == ((df.harm >= 0.5) & ~df.refusal)).all()
@@ -97,17 +97,17 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     assert set(zip(df.scorer_name, df.scorer_format, strict=True)) == {(scorer, "classifier")}
     for policy in ("base", "adapter"):
         rows = df[df.policy == policy]
-        assert newest[policy]["attack_success_rate"] == pytest.approx(rows.success.mean())
+        assert newest.figures[policy].attack_success_rate == pytest.approx(rows.success.mean())
         benign = every[(every.set == "benign") & (every.policy == policy)]
-        assert newest[policy]["over_refusal"] == pytest.approx(benign.refusal.mean())
-        assert newest[policy]["harm_mean"] == pytest.approx(rows.harm.mean())
+        assert newest.figures[policy].over_refusal == pytest.approx(benign.refusal.mean())
+        assert newest.figures[policy].harm_mean == pytest.approx(rows.harm.mean())
         # quality@tau (Hong et al. 2024): the share of test cases at or above tau, NaN scores counted as failures
-        for record in (r for r in newest["redteam"] if r["policy"] == policy):
-            assert record["quality"] == pytest.approx((rows.harm.fillna(-1) >= record["tau"]).mean())
-    assert sorted({r["tau"] for r in newest["redteam"]}) == [0.5, 0.6, 0.7, 0.8, 0.9]
-    summary = pd.read_parquet(Path(newest["path"]).with_name("summary-" + Path(newest["path"]).name))
+        for record in (r for r in newest.redteam if r.policy == policy):
+            assert record.quality == pytest.approx((rows.harm.fillna(-1) >= record.tau).mean())
+    assert sorted({r.tau for r in newest.redteam}) == [0.5, 0.6, 0.7, 0.8, 0.9]
+    summary = pd.read_parquet(Path(newest.path).with_name("summary-" + Path(newest.path).name))
     rates = summary[summary.tau.isna()].set_index(["policy", "metric"]).value
-    assert rates["adapter", "attack_success_rate"] == pytest.approx(newest["adapter"]["attack_success_rate"])
+    assert rates["adapter", "attack_success_rate"] == pytest.approx(newest.figures["adapter"].attack_success_rate)
     # every judged figure names its judge (scorer, format, revision); the others name none
     judges = summary.set_index(["policy", "metric"]).judge.dropna()
     assert judges["adapter", "attack_success_rate"] == f"{scorer} (classifier, {df.scorer_revision.iloc[0]})"
@@ -117,7 +117,7 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     older = evaluate(
         str(second.root), EvaluationOptions(iteration=0, num_prompts=3, samples_per_prompt=2), artifacts=False
     )
-    older_df = pd.read_parquet(older["path"]).query("set == 'held_out'")
+    older_df = pd.read_parquet(older.path).query("set == 'held_out'")
     key = ["prompt_id", "sample_idx"]
     base_now = df[df.policy == "base"].sort_values(key).completion_text.tolist()
     assert older_df[older_df.policy == "base"].sort_values(key).completion_text.tolist() == base_now
@@ -131,7 +131,7 @@ def test_an_interrupted_evaluation_resumes_from_the_sets_it_finished(lineage, mo
     _, (_, second) = lineage
     options = EvaluationOptions(num_prompts=3, samples_per_prompt=2, seed=7)
     whole = evaluate(str(second.root), options, artifacts=False)
-    rows = pd.read_parquet(whole["path"])
+    rows = pd.read_parquet(whole.path)
     sample, calls = evaluation.scored_answers, []
 
     def interrupted_at_the_third_set(label, set_name, *args, **kwargs):
@@ -147,9 +147,9 @@ def test_an_interrupted_evaluation_resumes_from_the_sets_it_finished(lineage, mo
     interrupting, calls[:] = False, []
     resumed = evaluate(str(second.root), options, artifacts=False)
     assert calls == [("adapter", "held_out"), ("adapter", "benign")]  # the base's two sets were read back
-    assert pd.read_parquet(resumed["path"]).equals(rows)
-    assert json.dumps({**resumed, "path": 0}, sort_keys=True) == json.dumps({**whole, "path": 0}, sort_keys=True)
-    assert not Path(whole["path"]).with_suffix(".parts").exists()
+    assert pd.read_parquet(resumed.path).equals(rows)
+    assert resumed.model_dump_json(exclude={"path"}) == whole.model_dump_json(exclude={"path"})
+    assert not Path(whole.path).with_suffix(".parts").exists()
 
 
 def test_transfer_sends_the_adapters_successful_prompts_to_each_other_target(lineage):
@@ -159,7 +159,7 @@ def test_transfer_sends_the_adapters_successful_prompts_to_each_other_target(lin
     other = "embedded:tiny-qwen3-safe"
     options = EvaluationOptions(num_prompts=6, samples_per_prompt=2, success_threshold=0.01, transfer_to=[other])
     result = evaluate(str(second.root), options)
-    every = pd.read_parquet(result["path"])
+    every = pd.read_parquet(result.path)
     held_out = every[(every.set == "held_out") & (every.policy == "adapter")]
     examples = set(held_out[held_out.success].prompt_id)
     assert examples, "no adversarial example at this threshold: the test checks nothing"
@@ -169,24 +169,24 @@ def test_transfer_sends_the_adapters_successful_prompts_to_each_other_target(lin
     for label, rows in transfer.groupby("policy"):
         assert set(rows.prompt_id) == examples and len(rows) == 2 * len(examples)
         assert set(rows.target) == {other if label == other else second.stored_config().model.policy}
-        assert result["transfer"][label]["transfer_attack_success_rate"] == pytest.approx(rows.success.mean())
+        assert result.transfer.targets[label].transfer_attack_success_rate == pytest.approx(rows.success.mean())
     # the other target is another model: it answers the same prompts with other words
     answers = {label: sorted(rows.completion_text) for label, rows in transfer.groupby("policy")}
     assert answers["adapter"] != answers[other]
     benign = every[(every.set == "benign") & (every.policy == other)]
-    assert len(benign) == 12 and result["transfer"][other]["over_refusal"] == pytest.approx(benign.refusal.mean())
-    assert result["transfer"]["examples"] == len(examples)
-    summary = pd.read_parquet(Path(result["path"]).with_name("summary-" + Path(result["path"]).name))
+    assert len(benign) == 12 and result.transfer.targets[other].over_refusal == pytest.approx(benign.refusal.mean())
+    assert result.transfer.examples == len(examples)
+    summary = pd.read_parquet(Path(result.path).with_name("summary-" + Path(result.path).name))
     figures = summary.set_index(["policy", "metric"])
     assert figures.value[other, "transfer_attack_success_rate"] == pytest.approx(
-        result["transfer"][other]["transfer_attack_success_rate"]
+        result.transfer.targets[other].transfer_attack_success_rate
     )
-    assert figures.judge[other, "transfer_attack_success_rate"] == result["judge"]
-    assert figures.judge[other, "over_refusal"] == result["judge"]
+    assert figures.judge[other, "transfer_attack_success_rate"] == result.judge
+    assert figures.judge[other, "over_refusal"] == result.judge
     # the Prefect UI shows the same figures and names the judge
     (published,) = _artifacts(artifact_key("gen1", "transfer"))[-1:]
-    assert result["judge"] in published.description and other in json.dumps(published.data)
-    assert result["judge"] in _artifacts(artifact_key("gen1", "evaluation"))[-1].description
+    assert result.judge in published.description and other in json.dumps(published.data)
+    assert result.judge in _artifacts(artifact_key("gen1", "evaluation"))[-1].description
 
 
 def test_a_retried_retraining_flow_run_resumes_its_run_instead_of_starting_another(tmp_path, monkeypatch):
