@@ -515,9 +515,24 @@ class ActiveConfig(AttackerConfig):
     """AdamW learning rate of each hardening (a fresh optimizer per round; the paper's 3e-5 for LoRA SFT of a 7B
     victim; the embedded world's defaults use 3e-3, as its SFT does)."""
     harden_epochs: int = Field(1, gt=0)
-    """Passes over the found attacks per hardening."""
+    """Passes over the found attacks per hardening (where harden_steps is not set): its cost grows with the attacks
+    found so far."""
+    harden_steps: int | None = Field(None, gt=0)
+    """Optimizer steps per hardening, however many attacks were found so far (the paper: 200): passes over them in
+    reshuffled orders, the last one a seeded draw of as many as its steps take. Each round's hardening then costs
+    the same. None: harden_epochs whole passes. Set one of the two."""
     batch_size: int = Field(16, gt=0)
     """Found attacks per optimizer step of a hardening (training.micro_batch_size per forward)."""
+
+    @model_validator(mode="after")
+    def _one_hardening_length(self) -> ActiveConfig:
+        if self.harden_steps is not None and self.harden_epochs != 1:
+            raise ValueError(
+                f"active.harden_steps={self.harden_steps} and active.harden_epochs={self.harden_epochs} both say how "
+                "long a hardening is: set one (harden_steps: a fixed number of optimizer steps; harden_epochs: passes "
+                "over the attacks found so far, with active.harden_steps=null)"
+            )
+        return self
 
     def hardens_after(self, iteration: int) -> bool:
         """Whether the victim is hardened at the end of `iteration`: the last iteration of each round (the schedule
@@ -803,8 +818,9 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         **DEFENSE_WORLD,
         # The refusals the embedded world's corpus holds (its tokenizer and judge know their words): with all eight
         # bundled ones the tiny victim learnt half-formed refusals that went on in the attack's words, which the judge
-        # scored unsafe (bench/README.md 13). Ten passes at SFT's learning rate learn them (at five, the first
-        # hardening of two seeds in three left the victim less safe than before).
+        # scored unsafe (bench/README.md 13). 20 steps at SFT's learning rate learn them, whatever the rounds have
+        # found so far (10 steps, five passes over the 26-35 attacks of bench/active_attacks.py's small runs, left the
+        # victim less safe after its first hardening in two seeds of three).
         # The tiny guard's P(unsafe) of the base's answers averages ~0.26, so a found attack is one whose answers
         # average 0.2: at 0.5 the first hardening of a default run saw 16 attacks for 10 steps and left the victim
         # attacked more successfully than the base (0.41 against 0.23, evaluate --threshold 0.2); at 0.2 it saw 59 and
@@ -812,7 +828,7 @@ MODE_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "active": {
             "harm_threshold": 0.2,
             "learning_rate": 3e-3,
-            "harden_epochs": 10,
+            "harden_steps": 20,
             "refusals": "bundled:refusals.jsonl?refusal_id=r01&refusal_id=r02",
         },
     },

@@ -7,7 +7,8 @@ An attack is found when the judge's mean P(unsafe) over the victim's responses t
 `harm`) is at least `active.harm_threshold`: every such attacker prompt of this iteration and the earlier ones, each
 text once. It is formatted as the victim was prompted with it (the run's system prompt, the chat template) and the
 target is one of `active.refusals`, chosen by a seeded draw. Each hardening is an SFT run of its own: a fresh AdamW
-at `active.learning_rate`, `active.harden_epochs` passes, loss on the refusal's tokens only.
+at `active.learning_rate`, `active.harden_steps` optimizer steps (as the paper's 200; or `active.harden_epochs`
+passes), loss on the refusal's tokens only.
 
 The stage runs every iteration, so that every checkpoint holds the victim's adapter and optimizer as the next
 iteration starts from them; between hardenings it writes them unchanged and its row says it did not train.
@@ -15,6 +16,7 @@ iteration starts from them; between hardenings it writes them unchanged and its 
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any
@@ -24,12 +26,12 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from redteam_grpo.core.config import Config
+from redteam_grpo.core.config import ActiveConfig, Config
 from redteam_grpo.core.data.sources import DataError, parse_source, read_source
 from redteam_grpo.core.models.policy import Policy
 from redteam_grpo.core.models.roles import DEFAULT_ROLE
 from redteam_grpo.core.seeds import derive_seed
-from redteam_grpo.core.training.sft import sft_epoch, sft_examples
+from redteam_grpo.core.training.sft import SftExample, sft_epoch, sft_examples
 from redteam_grpo.core.training.train import make_optimizer
 from redteam_grpo.storage import checkpoints, schemas
 from redteam_grpo.storage.rundir import RunDir
@@ -73,24 +75,46 @@ def load_refusals(cfg: Config) -> list[str]:
     return refusals
 
 
+def harden_passes(examples: list[SftExample], active: ActiveConfig, seed: tuple[Any, ...]) -> list[list[SftExample]]:
+    """The examples of each pass of a hardening: active.harden_epochs whole passes, or with active.harden_steps as
+    many whole passes as those steps hold and a last one of a seeded draw of the examples its remaining steps take.
+
+    >>> from redteam_grpo.core.config import ActiveConfig
+    >>> ten = [SftExample(str(i), [i], [i]) for i in range(10)]
+    >>> [len(p) for p in harden_passes(ten, ActiveConfig(harden_steps=7, batch_size=4), (0,))]  # 3 steps a pass
+    [10, 10, 4]
+    >>> [len(p) for p in harden_passes(ten, ActiveConfig(harden_epochs=2, batch_size=4), (0,))]
+    [10, 10]
+    """
+    if active.harden_steps is None:
+        return [examples] * active.harden_epochs
+    per_pass = math.ceil(len(examples) / active.batch_size)
+    whole, rest = divmod(active.harden_steps, per_pass)
+    passes = [examples] * whole
+    if rest:
+        passes.append(random.Random(derive_seed(*seed, "last-pass")).sample(examples, rest * active.batch_size))
+    return passes
+
+
 def harden_victim(
     policy: Policy, found: list[tuple[str, str]], cfg: Config, seed: tuple[Any, ...]
 ) -> tuple[torch.optim.Optimizer, float, int, int]:
     """Safety-tune the victim, the active role's adapter as it stands, on `found` (id, attack text) pairs, each paired
-    with a refusal of active.refusals drawn by `seed`: a fresh AdamW at active.learning_rate, active.harden_epochs
-    passes of active.batch_size attacks a step, loss on the refusal's tokens. The one recipe of the harden stage and
-    of the evaluation's cross-attack table. Returns the optimizer, the last pass's loss, the tokens and the steps."""
+    with a refusal of active.refusals drawn by `seed`: a fresh AdamW at active.learning_rate, the passes of
+    `harden_passes` in active.batch_size attacks a step, loss on the refusal's tokens. The one recipe of the harden
+    stage and of the evaluation's cross-attack table. Returns the optimizer, the last pass's loss, the tokens and the
+    steps."""
     rng = random.Random(derive_seed(*seed))
     refusals = load_refusals(cfg)
     pairs = [(attack_id, text, rng.choice(refusals)) for attack_id, text in found]
     examples = sft_examples(policy, pairs, cfg.model.system_prompt)
     optimizer = make_optimizer(policy, cfg.training.model_copy(update={"learning_rate": cfg.active.learning_rate}))
     tokens = steps = 0
-    for epoch in range(cfg.active.harden_epochs):
+    for epoch, examples_of_the_pass in enumerate(harden_passes(examples, cfg.active, seed)):
         stats = sft_epoch(
             policy,
             optimizer,
-            examples,
+            examples_of_the_pass,
             [],
             cfg.active.batch_size,
             cfg.training.micro_batch_size,

@@ -16,6 +16,8 @@ EXAMPLES_AT_LEAST = {
     "redteam_grpo.core.training.stopping": 2,
     "redteam_grpo.core.training.train": 1,
     "redteam_grpo.tasks.evaluate_defense": 2,
+    "redteam_grpo.tasks.harden": 2,
+    "redteam_grpo.core.evaluation": 1,
     "redteam_grpo.server.limits": 1,
     "redteam_grpo.core.hosts": 1,
     "redteam_grpo.core.training.staleness": 1,

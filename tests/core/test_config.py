@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -200,3 +201,15 @@ def test_a_non_finite_or_absurd_setting_is_refused_naming_it(setting, named):
 def test_one_step_off_policy_at_most_and_never_without_a_correction(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_a_hardening_is_given_one_length_and_the_paper_config_gives_it_in_steps():
+    """A hardening is `active.harden_steps` optimizer steps (the paper's unit: 200 per round) or
+    `active.harden_epochs` passes; both set is refused naming the way out."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["active.harden_steps=20", "active.harden_epochs=3"], mode="active")
+    assert "set one" in str(err.value) and "active.harden_steps=null" in str(err.value)
+    passes = load_config(None, ["active.harden_steps=null", "active.harden_epochs=3"], mode="active").active
+    assert (passes.harden_steps, passes.harden_epochs) == (None, 3)
+    paper = load_config(Path(__file__).parents[2] / "configs" / "active-qwen3-4b.yaml", [], mode="active").active
+    assert (paper.harden_steps, paper.harden_epochs, paper.learning_rate) == (200, 1, 3e-5)

@@ -54,7 +54,9 @@ def test_the_victim_is_hardened_at_each_rounds_end_on_the_attacks_found_and_is_u
     rows = [whole.read(HARDEN, i).to_pylist()[0] for i in range(4)]
     assert [r["hardened"] for r in rows] == [False, True, False, True]
     assert rows[3]["attacks_found"] >= rows[1]["attacks_found"] > 0  # found so far: the earlier rounds' kept
-    assert all(r["steps"] > 0 and r["train_tokens"] > 0 for r in rows if r["hardened"])
+    assert all(r["train_tokens"] > 0 for r in rows if r["hardened"])
+    # each hardening takes active.harden_steps steps, however many attacks were found so far: its cost is flat
+    assert [r["steps"] for r in rows if r["hardened"]] == [whole.stored_config().active.harden_steps] * 2
     # every found attack is an attacker prompt whose victim responses reached the threshold, each text once
     found = found_attacks(whole, 3, 0.2)
     assert len(found) == rows[3]["attacks_found"] and len({text for _, text in found}) == len(found)
