@@ -235,7 +235,7 @@ def evaluate(
     iteration: Annotated[int | None, _evaluation_option("iteration")] = _DEFAULTS.iteration,
     prompts: Annotated[int, _evaluation_option("num_prompts")] = _DEFAULTS.num_prompts,
     samples: Annotated[int, _evaluation_option("samples_per_prompt")] = _DEFAULTS.samples_per_prompt,
-    threshold: Annotated[float, _evaluation_option("success_threshold")] = _DEFAULTS.success_threshold,
+    threshold: Annotated[float | None, _evaluation_option("success_threshold")] = _DEFAULTS.success_threshold,
     seed: Annotated[int, _evaluation_option("seed")] = _DEFAULTS.seed,
     heldout_goals: Annotated[str, _evaluation_option("heldout_goals")] = _DEFAULTS.heldout_goals,
     prompt_file: Annotated[str, _evaluation_option("prompt_file")] = _DEFAULTS.prompt_file,

@@ -17,6 +17,7 @@ from redteam_grpo.core.data.sources import DataError, Prompt, load_prompts, pars
 from redteam_grpo.core.evaluation import (
     ACTIVE_ONLY,
     DEFENSE_ONLY,
+    SUCCESS_THRESHOLD,
     EvaluationOptions,
     QualityAtTau,
     RedteamEvaluation,
@@ -186,6 +187,7 @@ CLI_SETS = ("heldout_goals", "prompt_file", "benign", "retention", "against")  #
 def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> RedteamEvaluation:
     """Sample base and adapter on held-out prompts, score, write RUN/eval/<checkpoint>-<settings>.parquet (one file
     per checkpoint and settings, so evaluations with other settings do not overwrite it); return rates."""
+    options = options.with_threshold(SUCCESS_THRESHOLD)
     iteration, num_prompts, samples_per_prompt = options.iteration, options.num_prompts, options.samples_per_prompt
     success_threshold, seed = options.success_threshold, options.seed
     run = RunDir.open(run_dir)

@@ -239,16 +239,17 @@ def _share(rows: list[dict[str, Any]]) -> float:
 def evaluate_active(run_dir: str, options: EvaluationOptions) -> ActiveEvaluation:
     """The final attacker (checkpoint `options.iteration`, default the newest) against the base and each round's
     victim; write RUN/eval/<checkpoint>-active-<settings>.parquet and its summary; return the table."""
+    run = RunDir.open(run_dir)
+    cfg = run.stored_config()
+    if mode_of(cfg).evaluation != "active":
+        raise EvaluationError(f"{run.run_id} is a {cfg.run.mode} run: this evaluation needs an Active Attacks run")
+    options = options.with_threshold(cfg.active.harm_threshold)  # success: what the run counts as a found attack
     num_prompts, samples, threshold, seed = (
         options.num_prompts,
         options.samples_per_prompt,
         options.success_threshold,
         options.seed,
     )
-    run = RunDir.open(run_dir)
-    cfg = run.stored_config()
-    if mode_of(cfg).evaluation != "active":
-        raise EvaluationError(f"{run.run_id} is a {cfg.run.mode} run: this evaluation needs an Active Attacks run")
     unused = options.options_set(UNUSED)
     if unused:
         raise EvaluationError(

@@ -32,6 +32,7 @@ from prefect.cache_policies import NO_CACHE
 
 from redteam_grpo.core.data.sources import DataError, Prompt, parse_source, read_source
 from redteam_grpo.core.evaluation import (
+    SUCCESS_THRESHOLD,
     DefenseChecks,
     DefenseEvaluation,
     DefenseFigures,
@@ -149,6 +150,7 @@ def defense_checks(base: DefenseFigures, defended: DefenseFigures, margin: float
 def evaluate_defense(run_dir: str, options: EvaluationOptions) -> DefenseEvaluation:
     """Evaluate the defender after `options.iteration` (default: the newest checkpoint) against its base; write
     RUN/eval/<checkpoint>-defense-<settings>.parquet (every scored response) and return the summary table."""
+    options = options.with_threshold(SUCCESS_THRESHOLD)
     iteration, num_prompts, samples_per_prompt = options.iteration, options.num_prompts, options.samples_per_prompt
     success_threshold, seed = options.success_threshold, options.seed
     heldout_goals, prompt_file, benign, retention = (

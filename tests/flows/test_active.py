@@ -117,7 +117,8 @@ def test_a_run_resumed_across_a_restart_matches_an_uninterrupted_one(whole, tmp_
 def _options(**changes):
     from redteam_grpo.core.evaluation import EvaluationOptions
 
-    return EvaluationOptions(**{"num_prompts": 4, "samples_per_prompt": 2, "success_threshold": 0.2, **changes})
+    # no success threshold: the run's own, active.harm_threshold (0.2 on the embedded world), is the evaluation's
+    return EvaluationOptions(**{"num_prompts": 4, "samples_per_prompt": 2, **changes})
 
 
 @pytest.fixture(scope="module")
