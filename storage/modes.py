@@ -116,8 +116,6 @@ class Mode:
             )
         elif self.own_update is not None:
             why = f"its {self.own_update.name} stage changes the weights the next iteration draws with"
-        elif cfg.runtime.task_runner == "ray":
-            why = "the sample stage's shards run on Ray, which the overlap does not drive yet"
         else:
             return asked, None
         return 0, f"training.max_staleness={asked}: {self.name} runs synchronously: {why}"

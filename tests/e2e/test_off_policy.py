@@ -18,7 +18,13 @@ import httpx
 import pandas as pd
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    FlowRunFilterName,
+    TaskRunFilter,
+    TaskRunFilterName,
+)
 
 from redteam_grpo.core.config import load_config
 from redteam_grpo.core.training.staleness import drawing_version
@@ -162,6 +168,51 @@ def test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte(
         proc.wait(60)
     attack.attack_run(resume=str(root))
     _same_adapters(RunDir.open(root), straight)
+
+
+def test_on_ray_the_next_iterations_shards_are_drawn_on_workers_beside_the_update_as_the_local_runner_draws_them(
+    straight, stand_in, tmp_path, monkeypatch
+):
+    # runtime.task_runner=ray: an iteration is a subflow run with prefect-ray's task runner, whose shards run in Ray's
+    # workers; iteration i + 1's are submitted from the thread that draws ahead, beside iteration i's train step.
+    # Each update here waits until the next iteration's rollouts are recorded before it steps: drawn beside it, they
+    # are; drawn after it (synchronously), it waits in vain and fails. (Timestamps would not show it: the tiny
+    # model's update, ~0.1 s, is shorter than a Ray task's dispatch on two busy cores.)
+    import redteam_grpo.tasks.train_step as train_step_module
+
+    update = train_step_module.update_in_memory
+
+    def waits_for_the_next_rollouts(res, iteration, *rest):
+        deadline = time.monotonic() + 120
+        while iteration + 1 < ITERATIONS and not res.run.completed(SAMPLE, iteration + 1):
+            assert time.monotonic() < deadline, f"iteration {iteration + 1} was not drawn beside update {iteration}"
+            time.sleep(0.05)
+        return update(res, iteration, *rest)
+
+    monkeypatch.setattr(train_step_module, "update_in_memory", waits_for_the_next_rollouts)
+    overrides = [*_overrides(stand_in, tmp_path, "ray"), "runtime.task_runner=ray", "runtime.ray_num_cpus=2"]
+    attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
+    run = RunDir.open(tmp_path / "ray")
+    assert run.manifest()["status"] == "completed"
+    metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(ITERATIONS))
+    assert metrics.staleness.tolist() == [0.0, 1.0, 1.0, 1.0]
+    for iteration in range(ITERATIONS):
+        ours, local = (r.read(SAMPLE, iteration).to_pandas() for r in (run, straight))
+        assert set(ours.policy_version) == {drawing_version(iteration, 1)}, iteration
+        # the same adapter drew the same tokens: the stand-in draws by seed, wherever the request comes from
+        assert ours.completion_token_ids.map(list).tolist() == local.completion_token_ids.map(list).tolist()
+    # iteration i + 1's shard is a child task run of iteration i's subflow run, and ran while its train step did
+    with get_client(sync_client=True) as client:
+        for iteration in range(ITERATIONS - 1):
+            named = FlowRunFilter(name=FlowRunFilterName(any_=[f"ray-iteration-{iteration}"]))
+            (flow_run,) = client.read_flow_runs(flow_run_filter=named)
+            of_it = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+            children = {  # a stage task's run by its stage's name, without Prefect's suffix
+                t.name.rsplit("-", 1)[0] if t.name.startswith(TRAIN_STEP.name) else t.name: t
+                for t in client.read_task_runs(flow_run_filter=of_it)
+            }
+            shard, step = children[f"sample-{iteration + 1}-shard-0"], children[TRAIN_STEP.name]
+            assert shard.start_time < step.end_time and step.start_time < shard.end_time, (iteration, shard, step)
 
 
 def test_a_resume_with_iteration_1_sealed_and_no_rollouts_of_2_draws_them_with_the_adapter_after_0(straight, tmp_path):
