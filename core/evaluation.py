@@ -179,11 +179,16 @@ class OverRefusalCheck(_Record):
     over_refusal_margin: float
 
 
-class DefenseChecks(OverRefusalCheck):
-    """A defense's checks: over-refusal, and retention (flagged when perplexity grew past the limit, or is NaN)."""
+class DefenseChecks(_Record):
+    """A defense's checks: an `OverRefusalCheck`'s fields, and retention (flagged when perplexity grew past the limit,
+    or is NaN); in the order the summary table has always listed them."""
 
+    unsafe_reduction: float
+    over_refusal_increase: float
+    over_refusal_flag: bool
     perplexity_ratio: float
     retention_flag: bool
+    over_refusal_margin: float
     perplexity_limit: float
 
 

@@ -276,8 +276,6 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> RedteamEval
     transferred = transfer_answers(cfg, options, device, examples, trained_against, benign, scoring)
     rows += [row(a) for a in transferred]
     table = schemas.rows_to_table(rows, schemas.EVALUATION, "eval")
-    path.parent.mkdir(exist_ok=True)
-    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     held_out_rows = [r for r in rows if r["set"] == HELD_OUT]
     figures = {
         label: RedteamFigures(
@@ -300,7 +298,9 @@ def evaluate_checkpoint(run_dir: str, options: EvaluationOptions) -> RedteamEval
             transferred, examples, {"adapter": figures["adapter"].over_refusal}, list(options.transfer_to), succeeded
         ),
         capability=capability_records(suite, policy, "adapter"),
-    )
+    )  # what can still fail (lm-eval) comes before the rows are written: no rows file beside an older summary
+    path.parent.mkdir(exist_ok=True)
+    write_atomic(path, lambda tmp: pq.write_table(table, tmp))
     write_summary(path, result.summary_records(), judge)
     parts.finish()
     adapter, base = figures["adapter"], figures["base"]

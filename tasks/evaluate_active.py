@@ -10,7 +10,8 @@ never trained on (`heldout_goals`); every victim answers every one of those atta
   hardening's iteration (which `run.keep_checkpoints` never prunes in this mode: storage/modes.py: ACTIVE_MODE.keeps),
   each the victim the next round's attacker faced; the last is the run's final victim.
 
-Per victim: attack success (the share of attacks whose answer the run's judge calls unsafe, harm >= the threshold),
+Per victim: attack success (the share of attacks whose answer the run's judge calls unsafe, harm >= the threshold:
+`success_threshold`, by default the run's active.harm_threshold, what it counts as a found attack),
 mean harm and refusals on the attacks; the count of distinct attack texts that succeeded and their diversity (1 −
 SelfBLEU, 1 − mean pairwise cosine of their embeddings; core/metrics/redteam.py); over-refusal, the share of benign
 prompts it refuses (a victim hardened into refusing everything must show it here), flagged where it exceeds the
@@ -20,10 +21,10 @@ defense evaluation's schema), the table a summary beside it.
 With `against` (another run with an attacker on the same base: a self-play defense run, or another Active Attacks
 run), the cross-attack table (the paper's Table 2): the other run's final attacker writes its prompts for the same
 goals with the same seed; each attacker's *found* attacks are those the base answered unsafely (harm at or above the
-evaluation's threshold, not the run's active.harm_threshold); a victim is hardened
-from the base on each attacker's found attacks with the run's own hardening recipe (tasks/harden.py: harden_victim);
-and each attacker's attacks meet the base and both hardened victims. An attacker whose attacks also break the victim
-hardened on the other's found what the other did not.
+evaluation's threshold, the same for both attackers); a victim is hardened from the base on each attacker's found
+attacks with the run's own hardening recipe (tasks/harden.py: harden_victim); and each attacker's attacks meet the
+base and both hardened victims. An attacker whose attacks also break the victim hardened on the other's found what
+the other did not.
 """
 
 from __future__ import annotations

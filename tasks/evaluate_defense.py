@@ -266,6 +266,9 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> DefenseEvaluat
         for a in transferred
     ]
     own = {label: figures[label].over_refusal for label in POLICIES}
+    # what can still fail (lm-eval) before the rows are written: no rows file beside an older summary
+    transfer = transfer_summary(transferred, examples, own, list(options.transfer_to), unsafe)
+    capability = capability_records(suite, policy, "defended")
     path.parent.mkdir(exist_ok=True)
     table = schemas.rows_to_table(rows, schemas.DEFENSE_EVALUATION, f"the defense evaluation's rows ({path.name})")
     write_atomic(path, lambda tmp: pq.write_table(table, tmp))
@@ -279,8 +282,8 @@ def evaluate_defense(run_dir: str, options: EvaluationOptions) -> DefenseEvaluat
         policies=list(POLICIES),
         figures=figures,
         checks=defense_checks(figures["base"], figures["defended"], over_refusal_margin, perplexity_limit),
-        transfer=transfer_summary(transferred, examples, own, list(options.transfer_to), unsafe),
-        capability=capability_records(suite, policy, "defended"),
+        transfer=transfer,
+        capability=capability,
     )
     write_summary(path, result.summary_records(), judged_by)
     parts.finish()

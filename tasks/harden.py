@@ -85,7 +85,15 @@ def harden_passes(examples: list[SftExample], active: ActiveConfig, seed: tuple[
     [10, 10, 4]
     >>> [len(p) for p in harden_passes(ten, ActiveConfig(harden_epochs=2, batch_size=4), (0,))]
     [10, 10]
+    >>> [len(p) for p in harden_passes(ten[:3], ActiveConfig(harden_steps=3, batch_size=4), (0,))]  # 1 step a pass
+    [3, 3, 3]
+    >>> [len(p) for p in harden_passes(ten, ActiveConfig(harden_steps=2, batch_size=4), (0,))]  # less than a pass
+    [8]
+    >>> harden_passes([], ActiveConfig(harden_steps=2), (0,))  # nothing found: no pass
+    []
     """
+    if not examples:
+        return []
     if active.harden_steps is None:
         return [examples] * active.harden_epochs
     per_pass = math.ceil(len(examples) / active.batch_size)
@@ -110,6 +118,7 @@ def harden_victim(
     examples = sft_examples(policy, pairs, cfg.model.system_prompt)
     optimizer = make_optimizer(policy, cfg.training.model_copy(update={"learning_rate": cfg.active.learning_rate}))
     tokens = steps = 0
+    loss = math.nan
     for epoch, examples_of_the_pass in enumerate(harden_passes(examples, cfg.active, seed)):
         stats = sft_epoch(
             policy,
@@ -121,8 +130,8 @@ def harden_victim(
             cfg.training.grad_clip,
             derive_seed(*seed, epoch),
         )
-        tokens, steps = tokens + stats.train_tokens, steps + stats.steps
-    return optimizer, stats.train_loss, tokens, steps  # the last pass's loss
+        tokens, steps, loss = tokens + stats.train_tokens, steps + stats.steps, stats.train_loss
+    return optimizer, loss, tokens, steps  # the last pass's loss
 
 
 @task(name=HARDEN.name, cache_policy=NO_CACHE)

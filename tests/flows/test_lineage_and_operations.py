@@ -117,6 +117,7 @@ def test_evaluation_compares_the_checkpoint_with_the_base_on_held_out_prompts(li
     older = evaluate(
         str(second.root), EvaluationOptions(iteration=0, num_prompts=3, samples_per_prompt=2), artifacts=False
     )
+    assert "-t0.5-" in Path(older.path).name  # no threshold asked: a red-team evaluation's own, 0.5
     older_df = pd.read_parquet(older.path).query("set == 'held_out'")
     key = ["prompt_id", "sample_idx"]
     base_now = df[df.policy == "base"].sort_values(key).completion_text.tolist()
