@@ -190,9 +190,11 @@ def test_on_ray_the_next_iterations_shards_are_drawn_on_workers_beside_the_updat
         return update(res, iteration, *rest)
 
     monkeypatch.setattr(train_step_module, "update_in_memory", waits_for_the_next_rollouts)
-    overrides = [*_overrides(stand_in, tmp_path, "ray"), "runtime.task_runner=ray", "runtime.ray_num_cpus=2"]
+    # a run id no other test uses: its iterations' flow runs are found by name in the process's Prefect database
+    run_id = "off-policy-on-ray"
+    overrides = [*_overrides(stand_in, tmp_path, run_id), "runtime.task_runner=ray", "runtime.ray_num_cpus=2"]
     attack.attack_run(config=load_config(None, overrides).model_dump(mode="json"))
-    run = RunDir.open(tmp_path / "ray")
+    run = RunDir.open(tmp_path / run_id)
     assert run.manifest()["status"] == "completed"
     metrics = pd.concat(pd.read_parquet(run.path(TRAIN_STEP, i)) for i in range(ITERATIONS))
     assert metrics.staleness.tolist() == [0.0, 1.0, 1.0, 1.0]
@@ -204,7 +206,7 @@ def test_on_ray_the_next_iterations_shards_are_drawn_on_workers_beside_the_updat
     # iteration i + 1's shard is a child task run of iteration i's subflow run, and ran while its train step did
     with get_client(sync_client=True) as client:
         for iteration in range(ITERATIONS - 1):
-            named = FlowRunFilter(name=FlowRunFilterName(any_=[f"ray-iteration-{iteration}"]))
+            named = FlowRunFilter(name=FlowRunFilterName(any_=[f"{run_id}-iteration-{iteration}"]))
             (flow_run,) = client.read_flow_runs(flow_run_filter=named)
             of_it = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
             children = {  # a stage task's run by its stage's name, without Prefect's suffix
