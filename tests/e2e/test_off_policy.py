@@ -39,6 +39,7 @@ from tests.small_runs import SMALL_RUN
 
 pytestmark = pytest.mark.usefixtures("prefect_harness", "embedded_assets")
 ITERATIONS = 4
+STRAIGHT = "off-policy-straight"
 OFF_POLICY = ["sampling.backend=vllm", "training.max_staleness=1", f"run.iterations={ITERATIONS}", *SMALL_RUN]
 
 
@@ -93,8 +94,9 @@ def _overrides(url: str, runs: Path, run_id: str) -> list[str]:
 def straight(stand_in, tmp_path_factory) -> RunDir:
     """An uninterrupted one-step-off-policy run, in this process."""
     runs = tmp_path_factory.mktemp("straight")
-    attack.attack_run(config=load_config(None, _overrides(stand_in, runs, "straight")).model_dump(mode="json"))
-    return RunDir.open(runs / "straight")
+    # a run id no other test uses: its task runs are found by name (`_task_runs`) in the process's Prefect database
+    attack.attack_run(config=load_config(None, _overrides(stand_in, runs, STRAIGHT)).model_dump(mode="json"))
+    return RunDir.open(runs / STRAIGHT)
 
 
 def _task_runs(run_id: str) -> dict[str, list]:
@@ -127,7 +129,7 @@ def test_each_iteration_is_drawn_by_the_adapter_two_before_beside_the_update_and
     assert (metrics.sampler_kl.iloc[1:] > metrics.sampler_kl_tolerance.iloc[1:]).all(), metrics.sampler_kl.tolist()
 
     # In Prefect, iteration i + 1's sample shard runs while iteration i's train step does.
-    runs = _task_runs("straight")
+    runs = _task_runs(STRAIGHT)
     steps = runs[TRAIN_STEP.name]
     assert len(steps) == ITERATIONS
     for iteration in range(ITERATIONS - 1):
