@@ -197,6 +197,20 @@ def stop_exception(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else TerminationSignal(signal=signum)
 
 
+def stop_behind(exc: BaseException) -> BaseException | None:
+    """The stop exception `exc` is, or was raised while handling: a Ctrl-C to the process group stops Prefect's
+    API server too, and a stop that reaches Prefect's engine can come back as the connection error its report of
+    the crash then raised, the stop as its context. None for a failure."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, STOP_EXCEPTIONS):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def signal_of(stop: BaseException) -> int:
     return stop.signal if isinstance(stop, TerminationSignal) else signal.SIGINT
 
@@ -261,16 +275,17 @@ def run_iterations(run: RunDir, on_iteration: Any) -> str:
                         return str(run.root)
         run.set_status("completed")
         return str(run.root)
-    except STOP_EXCEPTIONS as stop:
+    except BaseException as exc:
+        stop = stop_behind(exc)
+        if stop is None:
+            run.set_status("failed")
+            raise
         # SIGTERM (a Prefect worker sends it to cancel) or SIGINT: every completed stage is kept, and
         # `run --resume` continues from the stage in flight.
         signal_name = interrupts.signal_name(signal_of(stop))
         with interrupts.recording():  # a second signal must not cut this write short
             run.set_status("interrupted", interrupted_by=signal_name)
         log.warning("run %s interrupted by %s; resume it with --resume %s", run.run_id, signal_name, run.root)
-        raise
-    except BaseException:
-        run.set_status("failed")
         raise
     finally:
         forget(run.root)
