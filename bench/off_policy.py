@@ -12,14 +12,15 @@ where 8 measured 1.57x).
     python bench/off_policy.py [--models 512x8,embedded] [--iterations 8]
     python bench/off_policy.py --parity [--seeds 0,1,2] [--iterations 30]     # learning parity, see below
 
-Per iteration, from the stages' own start and end: `sample` (the engine's busy time), `train` (score + advantage +
-train step + checkpoint: the trainer's), and the waits: the engine idles while no sample stage runs; the trainer waits
-for the rollouts it needs (synchronous: the whole sample stage; off-policy: the part of the next sample stage that
-outlasts the update beside it). Target: off-policy / synchronous iterations per second >= 1.3 at 512x8.
+Per iteration, from the stages' own start and end: `sample` (the engine's busy time), `train` (judge + score +
+advantage + train step + checkpoint: the run's process's), and the waits: the engine idles while no sample stage runs;
+the trainer waits for the rollouts it needs (synchronous: the whole sample stage; off-policy: the part of the next
+sample stage that outlasts the update beside it). Target: off-policy / synchronous iterations per second >= 1.3 at 512x8.
 
 The projection is arithmetic on stage times, labelled as such: synchronous, the sum of the stages; one step
-off-policy, score + advantage + max(sample, train step + checkpoint), the engine and the trainer on devices of their
-own, as on this CPU. It is printed for this run's measured stage times (set beside the measured speed-up, it tells
+off-policy, score + advantage + max(sample, train step + checkpoint + judge), the engine and the trainer on devices of
+their own, as on this CPU, the judge on the trainer's; or max(sample + judge, train step + checkpoint) with the judge
+on a device of its own (the reward server). It is printed for this run's measured stage times (set beside the measured speed-up, it tells
 how well the pipeline realises the overlap) and for bench/README.md section 8's projected (not measured) H100 stage
 times of the shipped attack config.
 
@@ -43,7 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_CORE, TRAINER_CORE = 0, 1
-TRAINER_STAGES = ("score", "advantage", "train_step", "checkpoint")
+# the run's process: the judge too (in-process scorers), whether it runs in its iteration or ahead beside an update
+TRAINER_STAGES = ("judge", "score", "advantage", "train_step", "checkpoint")
 
 
 def start_pinned_engine(engine_env: Path, model: str, log: Path) -> tuple[subprocess.Popen, str]:
@@ -115,17 +117,24 @@ def summary(result: dict, warmup: int = 2) -> dict[str, float]:
     return {"wall": wall, **stage, "engine waits": wall - stage["sample"], "trainer waits": wall - train}
 
 
-def projected(stage: dict[str, float]) -> tuple[float, float]:
+def projected(stage: dict[str, float], judge_apart: bool = False) -> tuple[float, float]:
     """Seconds per iteration synchronous and one step off-policy, from stage times, with the engine and the trainer on
-    devices of their own: off-policy, iteration i + 1's sample runs beside iteration i's train step and checkpoint."""
+    devices of their own: off-policy, iteration i + 1's sample and judge run beside iteration i's train step and
+    checkpoint. `judge_apart`: the judge on a device of its own (the reward server), reading each batch after the
+    engine drew it; else on the trainer's, whose time it takes wherever it runs."""
     synchronous = stage["sample"] + sum(stage[name] for name in TRAINER_STAGES)
-    beside = max(stage["sample"], stage["train_step"] + stage["checkpoint"])
+    update = stage["train_step"] + stage["checkpoint"]
+    if judge_apart:
+        beside = max(stage["sample"] + stage["judge"], update)
+    else:
+        beside = max(stage["sample"], update + stage["judge"])
     return synchronous, stage["score"] + stage["advantage"] + beside
 
 
 # bench/README.md section 8's projection (not a measurement) of one iteration of the shipped attack config on one H100
-# at 40 % MFU, in seconds: sampling 4-6.5 (the middle), score 14.0, train step 13.3, checkpoint and orchestration 1.5
-H100_PROJECTED = {"sample": 5.25, "score": 14.0, "advantage": 0.0, "train_step": 13.3, "checkpoint": 1.5}
+# at 40 % MFU, in seconds: sampling 4-6.5 (the middle), score 14.0 (the DeBERTa-v3-large scorer's 0.29 PFLOP of it is
+# the judge stage's 0.7 s), train step 13.3, checkpoint and orchestration 1.5
+H100_PROJECTED = {"sample": 5.25, "judge": 0.7, "score": 13.3, "advantage": 0.0, "train_step": 13.3, "checkpoint": 1.5}
 
 
 def run_child(iterations: int, overrides: list[str], uncorrected: bool = False) -> dict:
@@ -218,8 +227,9 @@ def main() -> None:
 
     console = Console(width=max(Console().width, 120))
     table = Table(title="s / iteration, engine on core 0, trainer on core 1, one thread each (after 2 warm-up)")
-    columns = ("wall", "sample", "score", "advantage", "train_step", "checkpoint", "engine waits", "trainer waits")
-    labels = ("wall", "sample", "score", "adv.", "train", "ckpt", "engine waits", "trainer waits")
+    columns = ("wall", "sample", "judge", "score", "advantage", "train_step", "checkpoint")
+    columns += ("engine waits", "trainer waits")
+    labels = ("wall", "sample", "judge", "score", "adv.", "train", "ckpt", "engine waits", "trainer waits")
     for column in ("model", "staleness", *labels, "speed-up"):
         table.add_column(column, justify="right")
     projections = Table(title="arithmetic on stage times, engine and trainer on devices of their own: s / iteration")
@@ -260,13 +270,14 @@ def main() -> None:
                 f"{overlapped:.2f}",
                 f"{synchronous / overlapped:.2f}x",
             )
-    synchronous, overlapped = projected(H100_PROJECTED)
-    projections.add_row(
-        "GPU: bench/README.md 8's H100 projection (not measured)",
-        f"{synchronous:.1f}",
-        f"{overlapped:.1f}",
-        f"{synchronous / overlapped:.2f}x",
-    )
+    for judge_apart, where in ((False, "the judge on the trainer's GPU"), (True, "the judge on a GPU of its own")):
+        synchronous, overlapped = projected(H100_PROJECTED, judge_apart)
+        projections.add_row(
+            f"GPU: bench/README.md 8's H100 projection (not measured), {where}",
+            f"{synchronous:.1f}",
+            f"{overlapped:.1f}",
+            f"{synchronous / overlapped:.2f}x",
+        )
     console.print(table)
     console.print(projections)
 

@@ -103,7 +103,7 @@ def bench_run(iterations: int, runs_dir: str) -> list[str]:
 def child_pipeline(iterations: int, overrides: list[str]) -> dict:
     from redteam_grpo.flows import attack, iteration, runner
     from redteam_grpo.storage import rundir
-    from redteam_grpo.tasks import advantage, artifacts, checkpoint, common, sample, score, train_step
+    from redteam_grpo.tasks import advantage, artifacts, checkpoint, common, judge, sample, score, train_step
 
     clock = ExclusiveClock()
     starts: list[float] = []
@@ -118,7 +118,8 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
 
     for module in (sample, score, advantage, train_step):
         module.run_table_stage = timed_stage
-    for shard_task in (sample.sample_shard, score.score_shard):  # the sharded stages' compute, one task per shard
+    # the sharded stages' compute, one task per shard
+    for shard_task in (sample.sample_shard, judge.judge_shard, score.score_shard):
         shard_task.fn = clock.wrap("compute", shard_task.fn)
     iteration.checkpoint_stage.fn = clock.wrap("checkpoint", checkpoint.checkpoint_stage.fn)
     iteration.publish_iteration = clock.wrap("artifacts", artifacts.publish_iteration)

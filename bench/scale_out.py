@@ -4,7 +4,7 @@
 Measured on this machine, on one config (embedded defaults unless --set says otherwise), each after a warm-up
 iteration:
 
-  parts      each stage called directly: the sample and score stages once whole (1 shard) and once in --shards
+  parts      each stage called directly: the sample, judge and score stages once whole (1 shard) and once in --shards
              shards, one after the other; the advantage, train step and checkpoint (the serial part: one process
              trains the adapter all shards sampled with) once.
   1 worker   whole iterations of `attack_run` with runtime.shards=--shards, shards one after the other in the run's
@@ -52,11 +52,12 @@ def _config(runs_dir: str, run_id: str, shards: int, overrides: list[str], *extr
 def measure_parts(runs_dir: str, shards: int, overrides: list[str]) -> dict[str, float]:
     """Seconds of each part of iteration 1 (after a warm-up iteration 0), stages called directly, no Prefect."""
     from redteam_grpo.storage.rundir import RunDir
-    from redteam_grpo.storage.stages import SAMPLE, SCORE
+    from redteam_grpo.storage.stages import JUDGE, SAMPLE, SCORE
     from redteam_grpo.tasks import resources
     from redteam_grpo.tasks.advantage import advantage_stage
     from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
     from redteam_grpo.tasks.common import run_sharded_stage
+    from redteam_grpo.tasks.judge import judge_shard, judgements_stats
     from redteam_grpo.tasks.sample import rollouts_stats, sample_shard
     from redteam_grpo.tasks.score import score_shard, scores_stats
     from redteam_grpo.tasks.train_step import train_step_stage
@@ -72,6 +73,7 @@ def measure_parts(runs_dir: str, shards: int, overrides: list[str]) -> dict[str,
         for iteration in (0, 1):
             for stage, shard_task, stats in (
                 (SAMPLE, sample_shard, functools.partial(rollouts_stats, policy=policy)),
+                (JUDGE, judge_shard, judgements_stats),
                 (SCORE, score_shard, scores_stats),
             ):
                 started = time.perf_counter()
@@ -125,7 +127,7 @@ def main() -> None:
 
     s = args.shards
     model = {}
-    for stage in ("sample", "score"):
+    for stage in ("sample", "judge", "score"):
         whole, split = parts[f"{stage} x1"], parts[f"{stage} x{s}"]
         fixed = max((split - whole) / (s - 1), 0.0)
         model[stage] = (fixed, whole - fixed)

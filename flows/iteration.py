@@ -9,11 +9,12 @@
 The order lives in `storage/modes.py` (`Mode.stages`), the stage records in `storage/stages.py`; this file binds each
 stage to its Prefect task, and nothing here depends on which mode runs.
 
-One step off-policy (training.max_staleness=1, where `Mode.staleness` allows it): iteration i + 1's stages up to its
-rollouts (defense: attack, then sample) run in a thread beside iteration i's updates and checkpoint, drawing with the
-adapters after i - 1 from their checkpoints on disk (tasks/sample.py, tasks/attack.py), so the engine samples while the
-trainer steps; they are child task runs of iteration i's run, overlapping its train step in the UI. Iteration i + 1
-finds them recorded and goes on from its score.
+One step off-policy (training.max_staleness=1, where `Mode.staleness` allows it): iteration i + 1's stages up to the
+judge's reading of its rollouts (`Mode.ahead_stages`: sample, judge; defense: attack, sample, judge) run in a thread
+beside iteration i's updates and checkpoint, drawing with the adapters after i - 1 from their checkpoints on disk
+(tasks/sample.py, tasks/attack.py), so the engine samples and the judge reads while the trainer steps; they are child
+task runs of iteration i's run, overlapping its train step in the UI. Iteration i + 1 finds them recorded and goes on
+from its score, whose terms need the weights of iteration i's update.
 
 The iteration is a task run (`iteration_task`, the stages its child task runs) where the shards run in the run's
 process, and a subflow run (`iteration_flow`) where they run on Ray: a subflow run is what carries a task runner of
@@ -40,6 +41,7 @@ from redteam_grpo.storage.stages import (
     ATTACK_TRAIN_STEP,
     CHECKPOINT,
     HARDEN,
+    JUDGE,
     SAMPLE,
     SCORE,
     SFT_TRAIN,
@@ -52,6 +54,7 @@ from redteam_grpo.tasks.attack import attack_stage
 from redteam_grpo.tasks.attack_score import attack_score_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage
 from redteam_grpo.tasks.harden import harden_stage
+from redteam_grpo.tasks.judge import judge_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import sample_stage
@@ -64,6 +67,7 @@ from redteam_grpo.tasks.train_step import attack_train_step_stage, train_step_st
 STAGE_TASKS: dict[str, Callable[[str, int], str]] = {
     ATTACK.name: attack_stage,
     SAMPLE.name: sample_stage,
+    JUDGE.name: judge_stage,
     SCORE.name: score_stage,
     ADVANTAGE.name: advantage_stage,
     TRAIN_STEP.name: train_step_stage,
@@ -77,9 +81,9 @@ STAGE_TASKS: dict[str, Callable[[str, int], str]] = {
 
 
 class SampleAhead:
-    """The stages of an iteration up to its rollouts (defense: the attacker's prompts, then the defender's answers) in
-    a thread of its own, with the Prefect context of the run that starts it, beside the updates of the iteration
-    before; `join` waits for them and raises what they raised."""
+    """The stages of an iteration up to the judge's reading of its rollouts (defense: the attacker's prompts, the
+    defender's answers, their judgements) in a thread of its own, with the Prefect context of the run that starts it,
+    beside the updates of the iteration before; `join` waits for them and raises what they raised."""
 
     def __init__(self, run_dir: str, iteration: int, stages: tuple[Stage, ...]) -> None:
         self.iteration, self.stages = iteration, stages
@@ -112,7 +116,8 @@ def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]
     mode = mode_of(cfg)
     log = stage_logger()
     steps, _ = mode.staleness(cfg)
-    overlapped = steps and iteration + 1 < cfg.run.iterations and not res.run.completed(SAMPLE, iteration + 1)
+    ahead_stages = mode.ahead_stages(cfg) if steps else ()
+    overlapped = steps and iteration + 1 < cfg.run.iterations and not res.run.completed(ahead_stages[-1], iteration + 1)
     ahead = None
     try:
         for stage in mode.stages(cfg):
@@ -123,7 +128,7 @@ def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]
                     iteration + 1,
                     drawing_version(iteration + 1, steps),
                 )
-                ahead = SampleAhead(run_dir, iteration + 1, (*mode.before, SAMPLE))
+                ahead = SampleAhead(run_dir, iteration + 1, ahead_stages)
             STAGE_TASKS[stage.name](run_dir, iteration)
     except Exception:
         if ahead is not None:  # what it records stays valid: its draw is fixed by its iteration

@@ -23,6 +23,7 @@ from redteam_grpo.storage.stages import (
     ATTACKER_LEARNER,
     CHECKPOINT,
     HARDEN,
+    JUDGE,
     POLICY,
     SAMPLE,
     SCORE,
@@ -73,12 +74,19 @@ class Mode:
         then, with self-play, the attacker's, which reuses the attacker's stage as its rollouts), the checkpoint."""
         stages = list(self.before)
         for learner in self.learners(cfg):
-            for stage in (learner.rollouts, learner.scores, learner.advantages, learner.update):
-                if stage not in stages:
+            for stage in (learner.rollouts, learner.judged, learner.scores, learner.advantages, learner.update):
+                if stage is not None and stage not in stages:
                     stages.append(stage)
         if self.own_update is not None:
             stages.append(self.own_update)
         return (*stages, CHECKPOINT)
+
+    def ahead_stages(self, cfg: Config) -> tuple[Stage, ...]:
+        """The stages of an iteration that need no weights of the update before it, beyond those its rollouts are
+        drawn with: the mode's first stages, the first learner's rollouts and the judge's reading of them. One step
+        off-policy runs them beside the update before (flows/iteration.py: `SampleAhead`)."""
+        first, stages = self.learners(cfg)[0], self.stages(cfg)
+        return stages[: stages.index(first.judged or first.rollouts) + 1]
 
     def learning_roles(self, cfg: Config) -> tuple[str, ...]:
         """The roles whose weights change from iteration to iteration: GRPO's learners, and the policy a mode's own
@@ -205,7 +213,7 @@ ACTIVE_MODE = Mode(
     title="Active Attacks run",
     # the attacker learns by GRPO on the victim's responses (self-play's stages); the victim learns by hardening only
     learners=lambda cfg: (ATTACKER_LEARNER,),
-    before=(ATTACK, SAMPLE, SCORE),
+    before=(ATTACK, SAMPLE, JUDGE, SCORE),
     own_update=HARDEN,
     metrics=ATTACK_TRAIN_STEP,
     summary=ATTACK_MODE.summary,

@@ -51,8 +51,12 @@ from redteam_grpo.storage.modes import MODES, mode_of
 from redteam_grpo.storage.stages import ALL_STAGES, BY_NAME, CHECKPOINT, Stage
 
 # The layout this code writes. A run written by an earlier layout is refused with what changed (FORMAT_CHANGES).
-RUN_FORMAT = 13
+RUN_FORMAT = 14
 FORMAT_CHANGES = {
+    13: (
+        "a judge stage (judgements.parquet) before the score stage holds what the scorer read from the texts alone "
+        "(harm, categories, refusal, novelty), so one step off-policy judges the next iteration beside the update"
+    ),
     12: (
         "train_metrics.parquet gained staleness: the updates between the weights that drew the batch and the "
         "trainer's (training.max_staleness)"

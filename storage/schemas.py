@@ -43,18 +43,34 @@ ROLLOUTS = pa.schema(
     ]
 )
 
+# The judge stage: what the scorer read from the text alone, which no weights of the policy change (harm, categories,
+# refusal, novelty), so it can be computed beside the update before (training.max_staleness); the score stage copies
+# these columns into SCORES beside the terms that need the policy.
+JUDGEMENT_FIELDS = [
+    pa.field("harm", pa.float64(), nullable=True),  # null: the scorer gave no score
+    pa.field("scorer_name", pa.string(), nullable=False),
+    pa.field("scorer_revision", pa.string(), nullable=False),
+    pa.field("scorer_kind", pa.string(), nullable=False),  # classifier | judge
+    pa.field("categories", pa.list_(pa.string()), nullable=False),  # a judge's hazard codes, e.g. ["S10"]
+    pa.field("refusal", pa.bool_(), nullable=False),  # the completion opens as a refusal
+    pa.field("scorer_truncated", pa.bool_(), nullable=False),  # the scorer read only the text's beginning
+    pa.field("novelty", pa.float64(), nullable=True),  # null when reward.novelty_weight is 0
+    pa.field("embedding", pa.list_(pa.float32()), nullable=True),  # unit norm; later iterations' novelty memory
+]
+JUDGEMENTS = pa.schema(
+    [
+        *KEY_FIELDS,
+        *JUDGEMENT_FIELDS,
+        # dialogues: each policy answer's harm in the conversation up to it (the last is `harm`); null for
+        # single-turn rows and when not computed
+        pa.field("turn_harm", pa.list_(pa.float64()), nullable=True),
+    ]
+)
+
 SCORES = pa.schema(
     [
         *KEY_FIELDS,
-        pa.field("harm", pa.float64(), nullable=True),  # null: the scorer gave no score
-        pa.field("scorer_name", pa.string(), nullable=False),
-        pa.field("scorer_revision", pa.string(), nullable=False),
-        pa.field("scorer_kind", pa.string(), nullable=False),  # classifier | judge
-        pa.field("categories", pa.list_(pa.string()), nullable=False),  # a judge's hazard codes, e.g. ["S10"]
-        pa.field("refusal", pa.bool_(), nullable=False),  # the completion opens as a refusal
-        pa.field("scorer_truncated", pa.bool_(), nullable=False),  # the scorer read only the text's beginning
-        pa.field("novelty", pa.float64(), nullable=True),  # null when reward.novelty_weight is 0
-        pa.field("embedding", pa.list_(pa.float32()), nullable=True),  # unit norm; later iterations' novelty memory
+        *JUDGEMENT_FIELDS,  # the judge stage's, copied (attack_scores: the judge's of the defender's responses)
         pa.field("repetition_ratio", pa.float64(), nullable=False),
         # log-probabilities of the sampled tokens under the sampling distribution (temperature, suppressed tokens),
         # both from the trainer's forward (adapter on, adapter off), not the sampler's (rollouts keep those)

@@ -45,12 +45,20 @@ SAMPLE = Stage(
     "rollouts",
     "G completions per prompt: prompt ids as fed, completion ids as drawn, one sampling logprob per token",
 )
+JUDGE = Stage(
+    "judge",
+    "judgements.parquet",
+    schemas.JUDGEMENTS,
+    "judgements",
+    "what the scorer reads from the texts alone: harm, judge categories, refusal, novelty; needs no policy weights, "
+    "so it runs ahead with the next iteration's rollouts (training.max_staleness)",
+)
 SCORE = Stage(
     "score",
     "scores.parquet",
     schemas.SCORES,
     "scores",
-    "harm score, judge categories, refusal, novelty, repetition, KL to the base, and the composite reward",
+    "the judge stage's columns, repetition, KL to the base, and the composite reward",
 )
 ADVANTAGE = Stage(
     "advantage", "advantages.parquet", schemas.ADVANTAGES, "advantages", "group-relative advantage of every completion"
@@ -109,6 +117,7 @@ CHECKPOINT = Stage(
 ALL_STAGES: tuple[Stage, ...] = (
     ATTACK,
     SAMPLE,
+    JUDGE,
     SCORE,
     ADVANTAGE,
     TRAIN_STEP,
@@ -127,12 +136,13 @@ BY_VIEW: dict[str, Stage] = {s.view: s for s in TABLE_STAGES if s.view}
 @dataclass(frozen=True)
 class Learner:
     """A role that GRPO trains and everything that differs between roles: the adapter it trains, the stages of its
-    rollouts, scores, advantages and update, the checkpoint files of its adapter and optimizer, its group size and
-    completion length. Red-team and defense runs train `POLICY` (the default adapter: the attacked model, or the
-    defender); self-play also trains `ATTACKER_LEARNER`."""
+    rollouts, judgements, scores, advantages and update, the checkpoint files of its adapter and optimizer, its group
+    size and completion length. Red-team and defense runs train `POLICY` (the default adapter: the attacked model, or
+    the defender); self-play also trains `ATTACKER_LEARNER`."""
 
     role: str  # the adapter's name on the policy (core/models/roles.py)
     rollouts: Stage
+    judged: Stage | None  # what the scorer read from its rows' texts alone (None: its scores stage reads others')
     scores: Stage
     advantages: Stage
     update: Stage
@@ -147,6 +157,7 @@ class Learner:
 POLICY = Learner(
     DEFAULT_ROLE,
     SAMPLE,
+    JUDGE,
     SCORE,
     ADVANTAGE,
     TRAIN_STEP,
@@ -159,6 +170,7 @@ POLICY = Learner(
 ATTACKER_LEARNER = Learner(
     ATTACKER,
     ATTACK,
+    None,  # its harm is the judge's of the defender's answers to its prompts, read from the scores file
     ATTACK_SCORE,
     ATTACK_ADVANTAGE,
     ATTACK_TRAIN_STEP,

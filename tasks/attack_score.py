@@ -23,9 +23,10 @@ from redteam_grpo.core.scoring.novelty import novelty_scores
 from redteam_grpo.core.training.rewards import repetition_ratios
 from redteam_grpo.storage.stages import ATTACK, ATTACK_SCORE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_table_stage
+from redteam_grpo.tasks.judge import Judgements, novelty_memory
 from redteam_grpo.tasks.resources import resources_for
 from redteam_grpo.tasks.sample import ATTACK_PROMPT_SEPARATOR
-from redteam_grpo.tasks.score import ScoredRows, learner_reward, novelty_memory, scores_stats
+from redteam_grpo.tasks.score import ScoredRows, learner_reward, scores_stats
 
 
 def harm_per_attack(rollouts: dict[str, list], scores: dict[str, list]) -> dict[str, dict[str, Any]]:
@@ -81,7 +82,8 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
         novelty: list[float | None] = [None] * n
         embeddings: list[list[float] | None] = [None] * n
         if cfg.attacker_settings.attacker_novelty_weight:
-            embedded = res.embedder(texts)
+            with res.scoring_lock:  # one step off-policy: the next iteration's judge may be embedding beside this
+                embedded = res.embedder(texts)
             memory = novelty_memory(
                 res.run, iteration, cfg.reward.novelty_memory_iterations, cfg.reward.novelty_memory_size, ATTACK_SCORE
             )
@@ -92,16 +94,11 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
             res, ATTACKER, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refused
         )
         categories = [per_prompt[k]["categories"] for k in keys]
-        info = res.scoring.describe().scorer
+        with res.scoring_lock:
+            info = res.scoring.describe().scorer
         truncated = [False] * n  # the judge's scores of the defender's responses, not of these prompts
         table = ScoredRows(
-            harm=harm,
-            scorer=info,
-            categories=categories,
-            refusal=refused,
-            truncated=truncated,
-            novelty=novelty,
-            embeddings=embeddings,
+            judged=Judgements(harm, info, categories, refused, truncated, novelty, embeddings),
             repetition=repetition,
             terms=terms,
             reward=reward,

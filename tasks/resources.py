@@ -7,6 +7,7 @@ run directory, so a resumed or re-run stage always computes on the weights it wo
 
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,13 +55,17 @@ class RunResources:
     # per role, the checkpoint version whose adapter `vllm_checkpoint_adapter` exported last
     _exported: dict[str, int] = field(default_factory=dict, repr=False)
     session: str = field(default_factory=lambda: uuid.uuid4().hex)  # the owner's run of the flow these serve
+    # held by whoever uses the scorer's or the embedder's models: one step off-policy judges the next iteration in a
+    # thread beside this one's stages, and a tokenizer is not safe to share between threads
+    scoring_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def scoring(self) -> ScoringBackend:
         """In-process scorers, or the reward server's client when reward.url is set (checked to serve the same)."""
-        if self._scoring is None:
-            self._scoring = scoring_backend(self.config.reward, self.device)
-        return self._scoring
+        with self.scoring_lock:  # built once, whichever thread asks first
+            if self._scoring is None:
+                self._scoring = scoring_backend(self.config.reward, self.device)
+            return self._scoring
 
     @property
     def prompts(self) -> list[Prompt]:

@@ -360,7 +360,7 @@ BUG_CLASSES = [
     ),
     (
         "judge-told-the-attack-not-the-goal",
-        "tasks/score.py",
+        "tasks/judge.py",
         '    goals = goals_of(res.run, mode_of(cfg).prompts, iteration, rollouts["prompt_id"])',
         "    goals = None",
         "tests/flows/test_defense.py::test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base",
@@ -455,6 +455,13 @@ BUG_CLASSES = [
         "        policy.trainable_parameters(),\n        lr=",
         "        policy.trainable_parameters()[::2],\n        lr=",
         "tests/core/test_policy_invariants.py::test_every_adapter_parameter_gets_a_gradient_and_nothing_outside_the_adapter_changes",
+    ),
+    (
+        "judgements-of-other-rows",
+        "tasks/score.py",
+        "    if theirs != ours:",
+        "    if len(theirs) != len(ours):",
+        "tests/tasks/test_stages.py::test_the_score_stage_refuses_judgements_of_other_rows",
     ),
     (
         "drifted-column-name",
@@ -715,7 +722,7 @@ BUG_CLASSES = [
     ),
     (
         "dialogue-judged-on-last-exchange-only",
-        "tasks/score.py",
+        "tasks/judge.py",
         '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[:-1] for m in messages], goals)',
         '    scored = scoring.score(texts, rollouts["prompt"] if messages is None else [m[-2]["content"] for m in messages], goals)',
         "tests/flows/test_dialogues.py::test_a_three_turn_defense_iteration_lets_the_attacker_continue_its_first_turn",

@@ -138,6 +138,9 @@ def test_each_iteration_is_drawn_by_the_adapter_two_before_beside_the_update_and
         assert shard.start_time < step.end_time and step.start_time < shard.end_time, (iteration, shard, step)
         when = f"{step.start_time:%S.%f}-{step.end_time:%S.%f}", f"{shard.start_time:%S.%f}-{shard.end_time:%S.%f}"
         print(f"iteration {iteration}: train step {when[0]}, sample of iteration {iteration + 1} {when[1]}")
+        # and judged there, with no weights of that update: done before iteration i + 1's own run starts
+        (judged,), (following,) = runs[f"judge-{iteration + 1}-shard-0"], runs[f"{STRAIGHT}-iteration-{iteration + 1}"]
+        assert shard.end_time <= judged.start_time and judged.end_time <= following.start_time, (judged, following)
 
 
 def _same_adapters(left: RunDir, right: RunDir) -> None:
@@ -147,11 +150,11 @@ def _same_adapters(left: RunDir, right: RunDir) -> None:
             assert sha256_file(files[0]) == sha256_file(files[1]), f"{name} of iteration {iteration} differs"
 
 
-@pytest.mark.parametrize("kill_at", ["1/advantage", "2/sample", "2/score"])
+@pytest.mark.parametrize("kill_at", ["1/advantage", "2/sample", "2/judge", "2/score"])
 def test_a_kill_9_during_the_overlap_resumes_to_the_same_adapters_byte_for_byte(straight, stand_in, tmp_path, kill_at):
     # Killed once iteration 1's advantage is recorded (the sample of iteration 2 is about to start beside its update),
-    # once iteration 2's rollouts are (drawn beside it), once iteration 2's scores are: each resume ends with the
-    # uninterrupted run's adapters and optimizer states.
+    # once iteration 2's rollouts are (drawn beside it), once they are judged (beside it too), once iteration 2's
+    # scores are: each resume ends with the uninterrupted run's adapters and optimizer states.
     args = [*_overrides(stand_in, tmp_path, "killed"), "logging.progress=false"]
     log_path = tmp_path / "killed.log"
     with log_path.open("w") as log:

@@ -1,6 +1,6 @@
 """The trainer scores through a real reward server: `redteam-grpo serve-reward` on a free loopback port.
 
-Scores through HTTP equal in-process scores; when the server goes away, the score stage fails after its
+Scores through HTTP equal in-process scores; when the server goes away, the judge stage fails after its
 retries with a message that says how to go on, and the run resumes from that stage once a server is back.
 """
 
@@ -22,7 +22,7 @@ from redteam_grpo.core.scoring.backend import build_local_scoring
 from redteam_grpo.flows import attack
 from redteam_grpo.server.client import RewardServiceError
 from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import SAMPLE, SCORE
+from redteam_grpo.storage.stages import JUDGE, SAMPLE, SCORE
 from tests.e2e.test_cli import CLI, ROOT
 from tests.processes import default_stop_signals
 from tests.small_runs import SMALL_RUN
@@ -106,13 +106,13 @@ def test_a_run_scores_through_the_server_and_resumes_after_the_server_went_away(
     assert set(scores.scorer_name) == {"embedded:tiny-toxicity"}
     assert set(scores.scorer_revision) == {served["service"]["scorer"]["revision"]}
 
-    # The server is gone: iteration 2 samples, then its score stage fails after 1 + 1 attempts.
+    # The server is gone: iteration 2 samples, then its judge stage fails after 1 + 1 attempts.
     with pytest.raises(RewardServiceError, match=r"failed 2 times.*--resume"):
         attack.attack_run(config=_config(tmp_path, server.url, 3).model_dump(mode="json"), resume=str(run.root))
-    assert run.completed(SAMPLE, 2) and not run.completed(SCORE, 2)
+    assert run.completed(SAMPLE, 2) and not run.completed(JUDGE, 2) and not run.completed(SCORE, 2)
     sampled = run.manifest()["stages"]["2/sample"]
 
-    # A new server on another port; resuming with the new URL is allowed and re-runs the score stage only.
+    # A new server on another port; resuming with the new URL is allowed and runs the judge stage on (no sampling).
     server = ServerProcess(tmp_path / "server2.log")
     try:
         resumed = _config(tmp_path, server.url, 3)

@@ -98,7 +98,7 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     training_calls = len(told)
     stages = run.manifest()["stages"]
     recorded = {k.split("/")[1] for k in stages if k.startswith("0/")}
-    assert recorded == {"attack", "sample", "score", "advantage", "train_step", "checkpoint"}
+    assert recorded == {"attack", "sample", "judge", "score", "advantage", "train_step", "checkpoint"}
     attacks = run.read(ATTACK, 1).to_pandas()
     rollouts = run.read(SAMPLE, 1).to_pandas()
     cfg = run.stored_config()

@@ -54,6 +54,7 @@ def test_self_play_updates_both_adapters_each_on_its_own_rollouts(tmp_path, monk
     assert recorded == {
         "attack",
         "sample",
+        "judge",
         "score",
         "advantage",
         "train_step",

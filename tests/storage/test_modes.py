@@ -19,12 +19,13 @@ def _names(mode: str, *overrides: str) -> list[str]:
 
 
 def test_each_mode_runs_its_stages_in_the_order_of_the_pipeline():
-    assert _names("attack") == ["sample", "score", "advantage", "train_step", "checkpoint"]
-    assert _names("attack", "dialogue.turns=3") == ["sample", "score", "advantage", "train_step", "checkpoint"]
-    assert _names("defense") == ["attack", "sample", "score", "advantage", "train_step", "checkpoint"]
+    assert _names("attack") == ["sample", "judge", "score", "advantage", "train_step", "checkpoint"]
+    assert _names("attack", "dialogue.turns=3") == ["sample", "judge", "score", "advantage", "train_step", "checkpoint"]
+    assert _names("defense") == ["attack", "sample", "judge", "score", "advantage", "train_step", "checkpoint"]
     assert _names("defense", "defense.self_play=true", "defense.prompts_per_goal=2") == [
         "attack",
         "sample",
+        "judge",
         "score",
         "advantage",
         "train_step",
@@ -38,6 +39,19 @@ def test_each_mode_runs_its_stages_in_the_order_of_the_pipeline():
     for mode in MODES:
         names = _names(mode)
         assert names == sorted(names, key=order.index), mode  # one order serves the manifest and redo
+
+
+def test_what_runs_ahead_of_an_update_needs_no_weights_it_writes():
+    # one step off-policy runs these beside the update before (flows/iteration.py: SampleAhead): each must read
+    # nothing that update writes, so they end where the first stage that needs the policy's weights (score) begins
+    def ahead(mode: str, *overrides: str) -> list[str]:
+        cfg = load_config(None, list(overrides), mode=mode)
+        return [s.name for s in mode_of(cfg).ahead_stages(cfg)]
+
+    assert ahead("attack") == ["sample", "judge"]
+    assert ahead("attack", "dialogue.turns=3") == ["sample", "judge"]
+    assert ahead("defense") == ["attack", "sample", "judge"]
+    assert ahead("defense", "defense.self_play=true", "defense.prompts_per_goal=2") == ["attack", "sample", "judge"]
 
 
 def test_the_stages_that_write_weights_are_each_learners_update():

@@ -40,6 +40,7 @@ def test_every_stage_is_declared_once_with_its_file_schema_and_view():
         "attack_scores",
         "attacks",
         "harden_metrics",
+        "judgements",
         "metrics",
         "rollouts",
         "scores",

@@ -22,6 +22,7 @@ from redteam_grpo.storage.stages import TRAIN_STEP
 from redteam_grpo.tasks import resources
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
+from redteam_grpo.tasks.judge import judge_stage
 from redteam_grpo.tasks.sample import sample_stage
 from redteam_grpo.tasks.score import score_stage
 from redteam_grpo.tasks.train_step import train_step_stage
@@ -39,6 +40,7 @@ def _update(tmp_path, run_id: str, *extra: str) -> RunDir:
     root = str(run.root)
     initialize_stage.fn(root)
     sample_stage(root, 0)
+    judge_stage(root, 0)
     score_stage(root, 0)
     advantage_stage.fn(root, 0)
     train_step_stage.fn(root, 0)

@@ -15,11 +15,12 @@ from redteam_grpo.core.scoring.scorers import ScorerError
 from redteam_grpo.core.training.kl import policy_reference_logprobs
 from redteam_grpo.core.training.staleness import StaleRolloutsError
 from redteam_grpo.storage import schemas
-from redteam_grpo.storage.rundir import RunDir
-from redteam_grpo.storage.stages import ADVANTAGE, CHECKPOINT, SAMPLE, SCORE, TRAIN_STEP
+from redteam_grpo.storage.rundir import DamagedRunError, RunDir
+from redteam_grpo.storage.stages import ADVANTAGE, CHECKPOINT, JUDGE, SAMPLE, SCORE, TRAIN_STEP
 from redteam_grpo.tasks import resources
 from redteam_grpo.tasks.advantage import advantage_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage, initialize_stage
+from redteam_grpo.tasks.judge import judge_stage
 from redteam_grpo.tasks.sample import sample_stage
 from redteam_grpo.tasks.score import score_stage
 from redteam_grpo.tasks.train_step import JoinError, recorded_stats, train_step_stage
@@ -57,19 +58,22 @@ def test_every_stage_output_is_read_back_by_the_next_stage(run):
     initialize_stage.fn(root)
     paths = {
         "sample": sample_stage(root, 0),
+        "judge": judge_stage(root, 0),
         "score": score_stage(root, 0),
         "advantage": advantage_stage.fn(root, 0),
         "train_step": train_step_stage.fn(root, 0),
     }
     checkpoint_stage.fn(root, 0)
-    stages = {"sample": SAMPLE, "score": SCORE, "advantage": ADVANTAGE, "train_step": TRAIN_STEP}
+    stages = {"sample": SAMPLE, "judge": JUDGE, "score": SCORE, "advantage": ADVANTAGE, "train_step": TRAIN_STEP}
     tables = {name: run.read(stage, 0).to_pydict() for name, stage in stages.items()}
     assert all(str(run.path(stages[s], 0)) == p for s, p in paths.items())
     keys = {
         s: list(zip(tables[s]["prompt_id"], tables[s]["sample_idx"], strict=True))
-        for s in ("sample", "score", "advantage")
+        for s in ("sample", "judge", "score", "advantage")
     }
-    assert keys["sample"] == keys["score"] == keys["advantage"] and len(set(keys["sample"])) == 6
+    assert keys["sample"] == keys["judge"] == keys["score"] == keys["advantage"] and len(set(keys["sample"])) == 6
+    # the score stage copies what the judge read, and adds what needs the policy
+    assert all(tables["score"][c] == tables["judge"][c] for c in schemas.JUDGEMENTS.names)
     assert tables["score"]["reward"] == tables["advantage"]["reward"]
     assert [len(x) for x in tables["score"]["reference_logprobs"]] == tables["sample"]["completion_length"]
     # iteration 0: LoRA's B is 0, the policy is the base, and both sides of the KL come from the same forward
@@ -116,6 +120,7 @@ def test_repetition_is_measured_on_completion_tokens_only(run):
     policy_lp, _, _ = policy_reference_logprobs(res.policy, [prompt_ids] * 3, completions)
     logprobs = [policy_lp[b, : len(c)].tolist() for b, c in enumerate(completions)]
     _write(run, 0, SAMPLE, _rollouts(run, prompt_ids, completions, tok, logprobs))
+    judge_stage(str(run.root), 0)
     score_stage(str(run.root), 0)
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert scores["repetition_ratio"] == [0.0, 0.0, 0.0]
@@ -130,6 +135,7 @@ def test_a_completion_longer_than_the_classifier_is_scored_and_counted(run):
     completions = [long, tok("a b c d", add_special_tokens=False)["input_ids"], long[:20]]
     assert len(long) > 128
     _write(run, 0, SAMPLE, _rollouts(run, tok("x", add_special_tokens=False)["input_ids"], completions, tok))
+    judge_stage(str(run.root), 0)
     score_stage(str(run.root), 0)
     scores = schemas.read_table(run.path(SCORE, 0), schemas.SCORES).to_pydict()
     assert all(t is not None and 0.0 <= t <= 1.0 for t in scores["harm"])
@@ -152,9 +158,10 @@ def test_a_missing_score_gives_advantage_zero_and_is_counted(run, monkeypatch):
     monkeypatch.setattr(res.scoring, "score", one_missing)
     # 2 of 6 unscored: above the default bound (0.25), the stage stops, names the scorer and writes nothing
     with pytest.raises(ScorerError, match=r"33% of 6 completions got no score from embedded:tiny-toxicity.*0\.25"):
-        score_stage(root, 0)
-    assert not run.completed(SCORE, 0) and not run.path(SCORE, 0).exists()
+        judge_stage(root, 0)
+    assert not run.completed(JUDGE, 0) and not run.path(JUDGE, 0).exists()
     monkeypatch.setattr(res.config.reward, "max_unscored_share", 0.5)  # a share the user expects
+    judge_stage(root, 0)
     score_stage(root, 0)
     assert recorded_stats(run, SCORE, 0)["unscored_share"] == pytest.approx(2 / 6)
     advantage_stage.fn(root, 0)
@@ -171,6 +178,7 @@ def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
     root = str(run.root)
     initialize_stage.fn(root)
     sample_stage(root, 0)
+    judge_stage(root, 0)
     score_stage(root, 0)
     advantage_stage.fn(root, 0)
     table = pq.read_table(run.path(ADVANTAGE, 0))
@@ -181,6 +189,7 @@ def test_train_step_refuses_rows_that_do_not_join_one_to_one(run):
 
 def _iterate(root, iteration):
     sample_stage(root, iteration)
+    judge_stage(root, iteration)
     score_stage(root, iteration)
     advantage_stage.fn(root, iteration)
     train_step_stage.fn(root, iteration)
@@ -195,6 +204,7 @@ def test_each_row_records_the_weights_that_drew_it_as_held_and_an_update_trains_
     sample_stage(root, 1)
     versions = run.read(SAMPLE, 1).column("policy_version").to_pylist()
     assert versions == [0] * 6  # drawn by the weights after iteration 0's update, which iteration 1 trains from
+    judge_stage(root, 1)
     score_stage(root, 1)
     advantage_stage.fn(root, 1)
     # the same rows, as if the weights before iteration 0's update had drawn them: refused, whatever they hold
@@ -220,13 +230,32 @@ def test_a_renamed_column_between_stages_is_an_error_not_zeros(run):
     with pytest.raises(
         schemas.SchemaError, match=r"missing column 'sampling_logprobs'.*unexpected column 'old_log_probs'"
     ):
+        judge_stage(root, 0)
+
+
+def test_the_score_stage_refuses_judgements_of_other_rows(run):
+    # Bug class judgements-of-other-rows (docs/bug-classes.md): the judge's scores, in another order, would pair each
+    # completion with another's harm and train the update on it.
+    root = str(run.root)
+    initialize_stage.fn(root)
+    sample_stage(root, 0)
+    judge_stage(root, 0)
+    table = pq.read_table(run.path(JUDGE, 0))
+    assert len(set(table.column("harm").to_pylist())) > 1  # a reordering changes which completion gets which score
+    _write(run, 0, JUDGE, table.take(list(reversed(range(table.num_rows)))))
+    with pytest.raises(DamagedRunError, match=r"judgements of shard 0 of iteration 0 are not of its.*redo 0/judge"):
         score_stage(root, 0)
+    assert not run.completed(SCORE, 0)
+    _write(run, 0, JUDGE, table)
+    score_stage(root, 0)
+    assert run.read(SCORE, 0).column("harm").to_pylist() == table.column("harm").to_pylist()
 
 
 def test_a_group_with_a_missing_sample_is_refused(run):
     root = str(run.root)
     initialize_stage.fn(root)
     sample_stage(root, 0)
+    judge_stage(root, 0)
     score_stage(root, 0)
     table = pq.read_table(run.path(SCORE, 0))
     _write(run, 0, SCORE, table.slice(1))
@@ -241,6 +270,7 @@ def test_weights_whose_checkpoint_is_damaged_are_refused_when_loaded(run):
     root = str(run.root)
     initialize_stage.fn(root)
     sample_stage(root, 0)
+    judge_stage(root, 0)
     score_stage(root, 0)
     for stage in (advantage_stage, train_step_stage, checkpoint_stage):
         stage.fn(root, 0)
