@@ -126,6 +126,10 @@ class QualityAtTau(_Record):
     selfbleu_diversity: float
     embedding_diversity: float
 
+    def metrics(self) -> dict[str, float]:
+        """Its figures, by name: one summary record each, named by its policy and τ."""
+        return {name: float(getattr(self, name)) for name in ("quality", "selfbleu_diversity", "embedding_diversity")}
+
 
 class DefenseFigures(_Record):
     """A policy's figures in a defense evaluation: unsafe shares, harm and refusals on the held-out goals (the
@@ -270,6 +274,7 @@ class EvaluationResult(_Record):
     figures: dict[str, Any]
     transfer: Transfer | None = None
     capability: list[CapabilityScore] = []
+    checks: OverRefusalCheck | None = None  # what a defense or Active Attacks evaluation checks; a red-team one, none
 
     def figure_records(self) -> list[dict[str, Any]]:
         """The per-policy summary records (policy, metric, value)."""
@@ -278,6 +283,14 @@ class EvaluationResult(_Record):
             for label in self.policies
             for metric, value in self.figures[label].metrics().items()
         ]
+
+    def check_records(self) -> list[dict[str, Any]]:
+        """The checks' summary records (policy `checks`), where the evaluation makes checks."""
+        return (
+            []
+            if self.checks is None
+            else [{"policy": "checks", "metric": k, "value": v} for k, v in self.checks.metrics().items()]
+        )
 
     def extra_records(self) -> list[dict[str, Any]]:
         """Capability, then transfer, where asked."""
@@ -295,9 +308,9 @@ class RedteamEvaluation(EvaluationResult):
 
     def summary_records(self) -> list[dict[str, Any]]:
         quality = [
-            {"policy": r.policy, "metric": metric, "tau": r.tau, "value": float(getattr(r, metric))}
+            {"policy": r.policy, "metric": metric, "tau": r.tau, "value": value}
             for r in self.redteam
-            for metric in ("quality", "selfbleu_diversity", "embedding_diversity")
+            for metric, value in r.metrics().items()
         ]
         return self.figure_records() + quality + self.extra_records()
 
@@ -311,8 +324,7 @@ class DefenseEvaluation(EvaluationResult):
     checks: DefenseChecks
 
     def summary_records(self) -> list[dict[str, Any]]:
-        checks = [{"policy": "checks", "metric": k, "value": v} for k, v in self.checks.metrics().items()]
-        return self.figure_records() + checks + self.extra_records()
+        return self.figure_records() + self.check_records() + self.extra_records()
 
 
 class ActiveEvaluation(EvaluationResult):
@@ -331,6 +343,5 @@ class ActiveEvaluation(EvaluationResult):
     cross_attack: CrossAttack | None = None
 
     def summary_records(self) -> list[dict[str, Any]]:
-        checks = [{"policy": "checks", "metric": k, "value": v} for k, v in self.checks.metrics().items()]
         cross = [] if self.cross_attack is None else self.cross_attack.records()
-        return self.figure_records() + checks + cross + self.extra_records()
+        return self.figure_records() + self.check_records() + cross + self.extra_records()

@@ -146,6 +146,13 @@ def test_a_defense_iteration_runs_the_attackers_stage_first_on_one_base(tmp_path
     assert result.figures["base"].kl_to_base_benign == 0.0 and result.figures["defended"].kl_to_base_benign > 0.0
     assert held_out  # the bundled held-out goals exist and are not training goals
     assert not held_out & set(run.read(ATTACK, 1).to_pandas().prompt)
+    # the summary file holds the checks, each a record in the order DefenseChecks declares them
+    from redteam_grpo.tasks.evaluate import summary_path
+
+    summary = pd.read_parquet(summary_path(Path(result.path)))
+    checked = summary[summary.policy == "checks"]
+    assert list(checked.metric) == list(type(result.checks).model_fields) == list(result.checks.metrics())
+    assert checked.value.tolist() == pytest.approx(list(result.checks.metrics().values()), nan_ok=True)
     capsys.readouterr()
     PRINTERS[type(result)](run.run_id, result)  # what `redteam-grpo evaluate` prints of it
     printed = "".join(capsys.readouterr())  # the tables on stdout, the flags on the CLI's console (stderr)
