@@ -13,16 +13,17 @@ where 8 measured 1.57x).
     python bench/off_policy.py --parity [--seeds 0,1,2] [--iterations 30]     # learning parity, see below
 
 Per iteration, from the stages' own start and end: `sample` (the engine's busy time), `train` (judge + score +
-advantage + train step + checkpoint: the run's process's), and the waits: the engine idles while no sample stage runs;
-the trainer waits for the rollouts it needs (synchronous: the whole sample stage; off-policy: the part of the next
-sample stage that outlasts the update beside it). Target: off-policy / synchronous iterations per second >= 1.3 at 512x8.
+advantage + train step + checkpoint: the run's process's), and the waits: the engine idles while no sample stage
+runs; the trainer waits for the rollouts it needs (synchronous: the whole sample stage; off-policy: the part of the
+next sample stage that outlasts the update beside it). Target: off-policy / synchronous iterations per second >= 1.3
+at 512x8.
 
 The projection is arithmetic on stage times, labelled as such: synchronous, the sum of the stages; one step
-off-policy, score + advantage + max(sample, train step + checkpoint + judge), the engine and the trainer on devices of
-their own, as on this CPU, the judge on the trainer's; or max(sample + judge, train step + checkpoint) with the judge
-on a device of its own (the reward server). It is printed for this run's measured stage times (set beside the measured speed-up, it tells
-how well the pipeline realises the overlap) and for bench/README.md section 8's projected (not measured) H100 stage
-times of the shipped attack config.
+off-policy, score + advantage + max(sample, train step + checkpoint + judge), the engine and the trainer on devices
+of their own, as on this CPU, the judge on the trainer's; or max(sample + judge, train step + checkpoint) with the
+judge on a device of its own (the reward server). It is printed for this run's measured stage times (set beside the
+measured speed-up, it tells how well the pipeline realises the overlap) and for bench/README.md section 8's
+projected (not measured) H100 stage times of the shipped attack config.
 
 --parity: learning parity on the embedded default (bfloat16, on the engine), per seed: synchronous, one step
 off-policy, and a control that trains the stale batches without the correction (every factor 1); the rise of each
