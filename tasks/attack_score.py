@@ -98,7 +98,7 @@ def attack_score_stage(run_dir: str, iteration: int) -> str:
             info = res.scoring.describe().scorer
         truncated = [False] * n  # the judge's scores of the defender's responses, not of these prompts
         table = ScoredRows(
-            judged=Judgements(harm, info, categories, refused, truncated, novelty, embeddings),
+            judged=Judgements(harm, info, categories, refused, truncated, novelty, embeddings).columns(),
             repetition=repetition,
             terms=terms,
             reward=reward,

@@ -72,22 +72,6 @@ class Judgements:
         )
 
 
-def judgements_of(columns: dict[str, list]) -> Judgements:
-    """A judgements table's columns as the record (one scorer names every row of a stage: its first row's)."""
-    scorer = ModelInfo(*(columns[f"scorer_{k}"][0] if columns["harm"] else "" for k in ("name", "revision", "kind")))
-    turn_harm = columns["turn_harm"]
-    return Judgements(
-        harm=columns["harm"],
-        scorer=scorer,
-        categories=columns["categories"],
-        refusal=columns["refusal"],
-        truncated=columns["scorer_truncated"],
-        novelty=columns["novelty"],
-        embeddings=columns["embedding"],
-        turn_harm=None if all(t is None for t in turn_harm) else turn_harm,
-    )
-
-
 def novelty_memory(
     run: RunDir, iteration: int, iterations_back: int, max_rows: int, stage: Stage = SCORE
 ) -> torch.Tensor | None:

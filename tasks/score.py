@@ -34,7 +34,6 @@ from redteam_grpo.storage import schemas
 from redteam_grpo.storage.rundir import DamagedRunError
 from redteam_grpo.storage.stages import JUDGE, SAMPLE, SCORE
 from redteam_grpo.tasks.common import run_sharded_stage
-from redteam_grpo.tasks.judge import Judgements, judgements_of
 from redteam_grpo.tasks.resources import RunResources, resources_for
 
 
@@ -116,10 +115,11 @@ def learner_reward(
 @dataclass(frozen=True)
 class ScoredRows:
     """Every column of a scores file but the keys, one entry per row (completions' scores, or self-play's attacker
-    prompts'): what the judge read (`judged`: the judge stage's columns, `tasks/judge.py: Judgements`) and what needs
-    the policy. `turn_harm` and `turn_rewards`: dialogues' per-turn columns, null when not given."""
+    prompts'): what the judge read (`judged`: the judge stage's columns, `schemas.JUDGEMENT_FIELDS`, as its file holds
+    them or as `tasks/judge.py: Judgements.columns` gives them) and what needs the policy. `turn_harm` and
+    `turn_rewards`: dialogues' per-turn columns, null when not given."""
 
-    judged: Judgements
+    judged: dict[str, list]
     repetition: list[float]
     terms: PolicyTerms
     reward: list[float]
@@ -132,7 +132,7 @@ class ScoredRows:
         return schemas.to_table(
             {
                 **{k: keys[k] for k in schemas.KEY_COLUMNS},
-                **self.judged.columns(),
+                **self.judged,
                 "repetition_ratio": self.repetition,
                 "policy_logprobs": self.terms.policy_logprobs,
                 "reference_logprobs": self.terms.reference_logprobs,
@@ -151,9 +151,9 @@ class ScoredRows:
         )
 
 
-def judged_rows(judged: pa.Table, rollouts: dict[str, list], iteration: int, shard: int) -> Judgements:
-    """The judge stage's part for these rows, refused unless it holds exactly them, in their order: a score, and
-    the reward built on it, is never paired with another row's completion."""
+def judged_rows(judged: pa.Table, rollouts: dict[str, list], iteration: int, shard: int) -> dict[str, list]:
+    """The judge stage's part for these rows, its columns, refused unless it holds exactly them, in their order: a
+    score, and the reward built on it, is never paired with another row's completion."""
     columns = judged.to_pydict()
     theirs = list(zip(columns["prompt_id"], columns["sample_idx"], strict=True))
     ours = list(zip(rollouts["prompt_id"], rollouts["sample_idx"], strict=True))
@@ -165,7 +165,7 @@ def judged_rows(judged: pa.Table, rollouts: dict[str, list], iteration: int, sha
             f"rows against {len(ours)}; first difference at row {first}): they were judged from other rollouts. "
             f"Recompute them with --redo {iteration}/{JUDGE.name}"
         )
-    return judgements_of(columns)
+    return columns
 
 
 def scores_stats(table: pa.Table) -> ScoreStats:
@@ -187,10 +187,10 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
     rollouts, spans, own_ids = scored_rows.columns, scored_rows.spans, scored_rows.own_ids
     prompt_ids, completion_ids = rollouts["prompt_token_ids"], rollouts["completion_token_ids"]
     judged = judged_rows(res.run.read_part(JUDGE, iteration, shard, shards), rollouts, iteration, shard)
-    harm, novelty, refusal = judged.harm, judged.novelty, judged.refusal
+    harm, novelty, refusal = judged["harm"], judged["novelty"], judged["refusal"]
     dialogue = cfg.dialogue
     per_turn = scored_rows.messages is not None and dialogue.rewards == "per_turn"
-    turn_harm = judged.turn_harm if scored_rows.messages is not None else None
+    turn_harm = judged["turn_harm"] if scored_rows.messages is not None else None
     repetition = repetition_ratios(own_ids, r.repetition_ngram)
     terms, reward = learner_reward(
         res, DEFAULT_ROLE, iteration, prompt_ids, completion_ids, harm, repetition, novelty, refusal, spans
@@ -204,7 +204,7 @@ def score_shard(run_dir: str, iteration: int, shard: int, session: str | None = 
         # the dialogue's reward is its return from the first turn: what the per-turn policy is trained to raise
         reward = [discounted_returns(rewards, dialogue.discount)[0] for rewards in turn_reward_lists]
     table = ScoredRows(
-        judged=judged,
+        judged={f.name: judged[f.name] for f in schemas.JUDGEMENT_FIELDS},
         repetition=repetition,
         terms=terms,
         reward=reward,
