@@ -10,7 +10,7 @@ fewer than 8 iterations the figures are mostly the run's ends (4 iterations meas
 where 8 measured 1.57x).
 
     python bench/off_policy.py [--models 512x8,embedded] [--iterations 8]
-    python bench/off_policy.py --parity [--seeds 0,1,2] [--iterations 30]     # learning parity, see below
+    python bench/off_policy.py --parity [--seeds 0,1,2] [--iterations 30] [--set KEY=VALUE]  # learning parity
 
 Per iteration, from the stages' own start and end: `sample` (the engine's busy time), `train` (judge + score +
 advantage + train step + checkpoint: the run's process's), and the waits: the engine idles while no sample stage
@@ -27,7 +27,9 @@ projected (not measured) H100 stage times of the shipped attack config.
 
 --parity: learning parity on the embedded default (bfloat16, on the engine), per seed: synchronous, one step
 off-policy, and a control that trains the stale batches without the correction (every factor 1); the rise of each
-(the last 5 iterations' mean reward less the first 5's, as tests/flows/test_learning.py).
+(the last 5 iterations' mean reward less the first 5's, as tests/flows/test_learning.py), and the means over the run
+of the train step's diagnostics (KL(behaviour ‖ current) as sampler_kl, the share of tokens the correction capped,
+the reward's KL to the base); `--save FILE` keeps them per iteration. `--set KEY=VALUE` changes every run's config.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> d
         attack.attack_run(overrides=[*overrides, *bench_run(iterations, runs)])
         end = time.perf_counter()
         run = RunDir.open(Path(runs) / "bench")
-        rewards = [run.read(TRAIN_STEP, i).column("reward_mean")[0].as_py() for i in range(iterations)]
-    return {"starts": starts, "end": end, "spans": spans, "rewards": rewards}
+        rows = [run.read(TRAIN_STEP, i).to_pylist()[0] for i in range(iterations)]
+    metrics = {name: [row.get(name) for row in rows] for name in DIAGNOSTICS}
+    return {"starts": starts, "end": end, "spans": spans, "rewards": [row["reward_mean"] for row in rows], **metrics}
 
 
 def summary(result: dict, warmup: int = 2) -> dict[str, float]:
@@ -150,11 +153,19 @@ def run_child(iterations: int, overrides: list[str], uncorrected: bool = False) 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def mean_of(values: list) -> float:
+    """The mean of the finite values (a metric not measured at an iteration is None or NaN there); NaN if none."""
+    finite = [v for v in values if v is not None and v == v]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
 def rise(rewards: list[float]) -> float:
     """The last 5 iterations' mean reward less the first 5's (tests/flows/test_learning.py)."""
     return sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5
 
 
+# per iteration, from the train step's record: the parity runs print their means beside the rewards
+DIAGNOSTICS = ("harm_mean", "sampler_kl", "correction_token_share", "grad_norm", "kl_base_mean")
 KINDS = {"synchronous": (0, False), "off-policy": (1, False), "uncorrected": (1, True)}  # staleness, uncorrected
 
 
@@ -177,16 +188,25 @@ def parity(args) -> None:
             for seed in seeds:
                 for kind, (staleness, uncorrected) in kinds.items():
                     overrides = ["model.dtype=bfloat16", "sampling.backend=vllm", f"sampling.vllm_url={url}"]
-                    overrides += [f"training.max_staleness={staleness}", f"run.seed={seed}"]
+                    overrides += [f"training.max_staleness={staleness}", f"run.seed={seed}", *args.set]
                     with console.status(f"seed {seed}: {kind}, {iterations} iterations ..."):
                         result = run_child(iterations, overrides, uncorrected)
+                    if args.save:  # every iteration's reward and diagnostics, for a closer look than the means
+                        record = {"seed": seed, "kind": kind, "settings": args.set, "rewards": result["rewards"]}
+                        record |= {name: result.get(name) for name in DIAGNOSTICS}
+                        with open(args.save, "a") as saved:
+                            saved.write(json.dumps(record) + "\n")
                     rises[kind].append(rise(result["rewards"]))
                     ends[kind].append(sum(result["rewards"][-5:]) / 5)
                     console.print(f"seed {seed} {kind}: rewards " + " ".join(f"{r:.2f}" for r in result["rewards"]))
+                    means = {name: mean_of(result.get(name, [])) for name in DIAGNOSTICS}
+                    console.print("  means over the run: " + ", ".join(f"{k} {v:.3g}" for k, v in means.items()))
         finally:
             os.killpg(engine.pid, signal.SIGTERM)
             engine.wait(60)
-    table = Table(title=f"reward rise (last 5 iterations' mean - first 5's), embedded default, {iterations} iterations")
+    settings = "".join(f", {setting}" for setting in args.set)
+    title = f"reward rise (last 5 iterations' mean - first 5's), embedded default{settings}, {iterations} iterations"
+    table = Table(title=title)
     for column in ("run", *(f"seed {s}" for s in seeds), "mean", "spread", "last 5 iterations' reward: mean"):
         table.add_column(column, justify="right")
     for kind, values in rises.items():
@@ -204,6 +224,10 @@ def main() -> None:
     parser.add_argument("--parity", action="store_true", help="learning parity on the embedded default instead")
     parser.add_argument("--seeds", default="0,1,2", help="--parity: the run seeds")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"--parity: which of {', '.join(KINDS)}")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="--parity: a config override for every run"
+    )
+    parser.add_argument("--save", metavar="FILE", help="--parity: append each run's iterations to FILE (JSON lines)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
