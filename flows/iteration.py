@@ -49,7 +49,7 @@ from redteam_grpo.storage.stages import (
     Stage,
 )
 from redteam_grpo.tasks.advantage import advantage_stage, attack_advantage_stage
-from redteam_grpo.tasks.artifacts import publish_iteration
+from redteam_grpo.tasks.artifacts import publish_iteration_later
 from redteam_grpo.tasks.attack import attack_stage
 from redteam_grpo.tasks.attack_score import attack_score_stage
 from redteam_grpo.tasks.checkpoint import checkpoint_stage
@@ -149,7 +149,7 @@ def run_iteration(run_dir: str, run_id: str, iteration: int) -> dict[str, float]
     metrics = res.run.read(mode.metrics, iteration).to_pylist()[0]
     log.info(mode.describe(iteration, metrics))
     if mode.artifacts and cfg.logging.artifacts:
-        publish_iteration(run_dir, iteration, metrics, cfg.logging.artifact_top_k, cfg.logging.artifact_examples)
+        publish_iteration_later(run_dir, iteration, metrics, cfg.logging.artifact_top_k, cfg.logging.artifact_examples)
     return metrics
 
 

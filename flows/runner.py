@@ -39,6 +39,7 @@ from redteam_grpo.storage import checkpoints, interrupts, ownership
 from redteam_grpo.storage.lineage import read_lineage, record_in_manifest, start_in_lineage
 from redteam_grpo.storage.modes import Mode, mode_of
 from redteam_grpo.storage.rundir import INIT_VERSION, RunDir, RunDirError, new_run_id, parse_redo
+from redteam_grpo.tasks.artifacts import PUBLISHER
 from redteam_grpo.tasks.checkpoint import attacker_system_prompt, initialize_stage
 from redteam_grpo.tasks.logs import stage_logger
 from redteam_grpo.tasks.resources import forget
@@ -149,6 +150,19 @@ def without_heartbeats() -> contextlib.AbstractContextManager:
     and is joined when the run ends, which costs each iteration about a second in Prefect 3.8. A crash then leaves
     the iteration's run as it was, and marks the parent's."""
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+
+
+@contextlib.contextmanager
+def artifacts_published() -> Iterator[None]:
+    """The iterations' artifacts, published beside the run (tasks/artifacts.py), all published when the block ends
+    (the run completed or stopped early), or those not yet started dropped when it raises: a stopped or failed run
+    does not wait on the API for its view."""
+    try:
+        yield
+    except BaseException:
+        PUBLISHER.finish(wait=False)
+        raise
+    PUBLISHER.finish(wait=True)
 
 
 def with_run_id(config: Config) -> Config:
@@ -266,7 +280,8 @@ def run_iterations(run: RunDir, on_iteration: Any) -> str:
             initialize_stage(str(run.root))
             if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
                 return str(run.root)
-            with without_heartbeats():  # entered once: each entry rebuilds Prefect's settings (~30 ms)
+            # entered once: each entry rebuilds Prefect's settings (~30 ms)
+            with without_heartbeats(), artifacts_published():
                 for number in range(start, cfg.run.iterations):
                     metrics = iteration(str(run.root), run.run_id, number)
                     if on_iteration is not None:
