@@ -6,7 +6,8 @@
 
 each in a fresh process (same start: imports, model load), on the embedded default config unless --set says
 otherwise. Both are timed per iteration, from the start of one iteration to the start of the next, leaving out
-iteration 0 (kernel warm-up). For the pipeline the time is split, exclusively, into the stages' compute, Parquet
+iteration 0 (kernel warm-up) and the last (it ends in the run's end, printed apart: a cost once a run, not an
+iteration's). For the pipeline the time is split, exclusively, into the stages' compute, Parquet
 writes and reads, the manifest (records and checksums), the checkpoint, artifacts, and what is left: Prefect's
 flow-run and task-run overhead.
 
@@ -82,10 +83,19 @@ class ExclusiveClock:
         return wrapped
 
 
-def per_iteration(starts: list[float], end: float) -> list[float]:
-    """Durations from each iteration's start to the next one's (the last to `end`), iteration 0 left out."""
-    bounds = [*starts, end]
-    return [bounds[i + 1] - bounds[i] for i in range(1, len(starts))]
+def per_iteration(starts: list[float]) -> list[float]:
+    """Durations from each iteration's start to the next one's, iteration 0 (warm-up) and the last left out: the
+    last one ends in the run's end (the pipeline's: a Prefect flow run completing, ~0.6 s once a run, measured beside
+    ~1.7 s iterations at bench/peer_trl.py's 256x4), which is no iteration's cost; `run_end` reports it."""
+    if len(starts) < 3:
+        raise SystemExit("measure at least 3 iterations: the first (warm-up) and the last (the run's end) are left out")
+    return [starts[i + 1] - starts[i] for i in range(1, len(starts) - 1)]
+
+
+def run_end(starts: list[float], end: float) -> float:
+    """The last iteration with the run's end after it, less the mean iteration: what the run's end adds once."""
+    steps = per_iteration(starts)
+    return end - starts[-1] - sum(steps) / len(steps)
 
 
 def bench_run(iterations: int, runs_dir: str) -> list[str]:
@@ -122,7 +132,8 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
     for shard_task in (sample.sample_shard, judge.judge_shard, score.score_shard):
         shard_task.fn = clock.wrap("compute", shard_task.fn)
     iteration.checkpoint_stage.fn = clock.wrap("checkpoint", checkpoint.checkpoint_stage.fn)
-    iteration.publish_iteration = clock.wrap("artifacts", artifacts.publish_iteration)
+    # what the iteration waits for: handing its artifacts over (they are published beside the run, untimed)
+    iteration.publish_iteration_later = clock.wrap("artifacts", artifacts.publish_iteration_later)
     iteration_body = iteration.run_iteration
 
     def marked_iteration(run_dir, run_id, iteration):
@@ -139,10 +150,10 @@ def child_pipeline(iterations: int, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as runs:
         attack.attack_run(overrides=[*overrides, *bench_run(iterations, runs)])
         end = time.perf_counter()
-    snapshots.append(dict(clock.seconds))
-    # category seconds from the start of iteration 1 to the end, per iteration
-    after_warmup = {c: (snapshots[-1].get(c, 0.0) - snapshots[1].get(c, 0.0)) / (iterations - 1) for c in CATEGORIES}
-    return {"iteration_seconds": per_iteration(starts, end), "categories": after_warmup}
+    # category seconds from the start of iteration 1 to the start of the last (per_iteration's), per iteration
+    measured = iterations - 2
+    after_warmup = {c: (snapshots[-1].get(c, 0.0) - snapshots[1].get(c, 0.0)) / measured for c in CATEGORIES}
+    return {"iteration_seconds": per_iteration(starts), "run_end": run_end(starts, end), "categories": after_warmup}
 
 
 def child_plain(iterations: int, overrides: list[str]) -> dict:
@@ -215,7 +226,8 @@ def child_plain(iterations: int, overrides: list[str]) -> dict:
         phases["train"].append(time.perf_counter() - scored_at)
     # phases of iterations 1.. (0 is warm-up): sampling; scoring with the KL's forward; advantages and the update
     return {
-        "iteration_seconds": per_iteration(starts, time.perf_counter()),
+        "iteration_seconds": per_iteration(starts),
+        "run_end": run_end(starts, time.perf_counter()),
         "phases": {k: sum(v[1:]) / len(v[1:]) for k, v in phases.items()},
     }
 
@@ -267,7 +279,7 @@ def main() -> None:
     plain_s, pipeline_s = mean(plain["iteration_seconds"]), mean(pipeline["iteration_seconds"])
 
     table = Table(
-        title=f"s / iteration, mean of iterations 1..{args.iterations - 1} ({torch.get_num_threads()} threads)"
+        title=f"s / iteration, mean of iterations 1..{args.iterations - 2} ({torch.get_num_threads()} threads)"
     )
     table.add_column("")
     table.add_column("seconds", justify="right")
@@ -286,15 +298,17 @@ def main() -> None:
     if args.iterations >= 40:
         n = args.iterations
 
-        def drift(seconds: list[float]) -> tuple[float, float]:  # iterations 1-10 and n-10..n-1 (iteration 0 is out)
+        def drift(seconds: list[float]) -> tuple[float, float]:  # iterations 1-10 and n-11..n-2 (per_iteration's)
             return statistics.median(seconds[:10]), statistics.median(seconds[-10:])
 
         for name, run in (("plain loop", plain), ("Prefect pipeline", pipeline)):
             early, late = drift(run["iteration_seconds"])
             console.print(
-                f"{name}: median s / iteration {early:.3f} at iterations 1-10, {late:.3f} at {n - 10}-{n - 1}: "
+                f"{name}: median s / iteration {early:.3f} at iterations 1-10, {late:.3f} at {n - 11}-{n - 2}: "
                 f"[bold]{late / early:.2f}x[/]"
             )
+    ends = f"plain loop {plain['run_end']:.2f} s, pipeline {pipeline['run_end']:.2f} s"
+    console.print(f"the run's end, once a run (left out above): {ends}")
     console.print(f"overrides: {' '.join(args.overrides) or '(embedded defaults)'}")
 
 

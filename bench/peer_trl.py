@@ -8,11 +8,13 @@
 
 at three model sizes (hidden/layers 64/2, 256/4, 512/8 by default). TRL is timed per optimizer step (its step
 generates, scores, runs the reference and trains); ours per iteration of the Prefect pipeline (five stages, Parquet,
-a checkpoint) and of the same `core` functions in a plain loop (bench/orchestration.py). The first step of each is
-left out (warm-up).
+a checkpoint) and of the same `core` functions in a plain loop (bench/orchestration.py), each from one step's start
+to the next one's. The first step of each is left out (warm-up), and the last (it ends in the run's end: ours, a
+Prefect flow run completing, ~0.6 s once a run; TRL's trainer, none measurable): what the run's end adds once is
+printed apart.
 
     pip install -e ".[bench]"     # trl, only for this benchmark
-    python bench/peer_trl.py [--sizes 64x2,256x4,512x8] [--steps 4]
+    python bench/peer_trl.py [--sizes 64x2,256x4,512x8] [--steps 8]
 
 Prints seconds per step and the ratio ours / TRL (target <= 1.0 where compute dominates).
 """
@@ -92,7 +94,7 @@ def child_ours(kind: str, folder: Path, steps: int, prompt_file: Path) -> dict:
     run = orchestration.child_pipeline if kind == "pipeline" else orchestration.child_plain
     overrides = [*ours_overrides(folder), f"data.source={prompt_file}"]
     result = run(steps, overrides)
-    return {"step_seconds": result["iteration_seconds"], "phases": result.get("phases")}
+    return {"step_seconds": result["iteration_seconds"], "run_end": result["run_end"], "phases": result.get("phases")}
 
 
 def child_trl(folder: Path, steps: int) -> dict:
@@ -104,6 +106,9 @@ def child_trl(folder: Path, steps: int) -> dict:
 
     from redteam_grpo.core.config import RewardConfig
     from redteam_grpo.core.scoring.backend import build_local_scoring
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import orchestration
 
     scoring = build_local_scoring(RewardConfig(), torch.device("cpu"))
 
@@ -170,15 +175,14 @@ def child_trl(folder: Path, steps: int) -> dict:
         )
         trainer.train()
         end = time.perf_counter()
-    bounds = [*begins, end]
-    steps_s = [bounds[i + 1] - bounds[i] for i in range(1, len(begins))]
+    steps_s = orchestration.per_iteration(begins)  # as ours: step 0 and the last (it ends in the run's end) left out
 
     def mean_after_warmup(name: str) -> float:
         return sum(spent[name][1:]) / len(spent[name][1:])
 
     generate, scored = mean_after_warmup("generate"), mean_after_warmup("generate and score")
     phases = {"sample": generate, "score": scored - generate, "train": sum(steps_s) / len(steps_s) - scored}
-    return {"step_seconds": steps_s, "phases": phases}
+    return {"step_seconds": steps_s, "run_end": orchestration.run_end(begins, end), "phases": phases}
 
 
 def child_env(prefect_home: str) -> dict[str, str]:
@@ -207,7 +211,9 @@ def run_child(*args: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64x2,256x4,512x8", help="hidden x layers, comma-separated")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=8, help="steps per run (the first, warm-up, and the last, the run's end, left out)"
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -238,6 +244,7 @@ def main() -> None:
     phases = Table(title="where a step goes, s: sample | score (reward + reference forward) | train")
     for column in ("hidden x layers", "TRL", "ours: plain"):
         phases.add_column(column, justify="right")
+    run_ends: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as work:
         prompt_file = Path(work) / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -245,13 +252,13 @@ def main() -> None:
             hidden, layers = (int(x) for x in size.split("x"))
             folder = Path(work) / f"qwen3-{hidden}x{layers}"
             build_model(folder, hidden, layers)
-            seconds, split = {}, {}
+            seconds, split, ends = {}, {}, {}
             for kind in ("trl", "pipeline", "plain"):
                 with console.status(f"hidden {hidden}, {layers} layers: {kind} ..."):
                     extra = [] if kind == "trl" else [str(prompt_file)]
                     result = run_child(kind, str(folder), *extra, "--steps", str(args.steps))
                 seconds[kind] = sum(result["step_seconds"]) / len(result["step_seconds"])
-                split[kind] = result.get("phases")
+                split[kind], ends[kind] = result.get("phases"), result["run_end"]
             phases.add_row(
                 size,
                 *(" | ".join(f"{split[k][p]:.2f}" for p in ("sample", "score", "train")) for k in ("trl", "plain")),
@@ -264,8 +271,14 @@ def main() -> None:
                 f"{seconds['pipeline'] / seconds['trl']:.2f}x",
                 f"{seconds['plain'] / seconds['trl']:.2f}x",
             )
+            run_ends[size] = ends
     console.print(table)
     console.print(phases)
+    for size, end in run_ends.items():
+        console.print(
+            f"{size}: the run's end, once a run (left out above): "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in end.items())
+        )
 
 
 if __name__ == "__main__":
