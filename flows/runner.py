@@ -152,19 +152,6 @@ def without_heartbeats() -> contextlib.AbstractContextManager:
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
-@contextlib.contextmanager
-def artifacts_published() -> Iterator[None]:
-    """The iterations' artifacts, published beside the run (tasks/artifacts.py), all published when the block ends
-    (the run completed or stopped early), or those not yet started dropped when it raises: a stopped or failed run
-    does not wait on the API for its view."""
-    try:
-        yield
-    except BaseException:
-        PUBLISHER.finish(wait=False)
-        raise
-    PUBLISHER.finish(wait=True)
-
-
 def with_run_id(config: Config) -> Config:
     """`config` with its run id chosen (from run.name and the time) if it names none, so the folder is known."""
     if config.run.run_id is not None:
@@ -280,8 +267,8 @@ def run_iterations(run: RunDir, on_iteration: Any) -> str:
             initialize_stage(str(run.root))
             if done and _stopped(run, done[-1], cfg):  # stopped in the last process, before its status was written
                 return str(run.root)
-            # entered once: each entry rebuilds Prefect's settings (~30 ms)
-            with without_heartbeats(), artifacts_published():
+            # without_heartbeats entered once: each entry rebuilds Prefect's settings (~30 ms)
+            with without_heartbeats(), PUBLISHER.publishing():
                 for number in range(start, cfg.run.iterations):
                     metrics = iteration(str(run.root), run.run_id, number)
                     if on_iteration is not None:

@@ -12,11 +12,12 @@ with the context of the run they belong to: their three requests to the API took
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,18 @@ class BackgroundPublisher:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="artifacts")
         context = contextvars.copy_context()
         self._pending.append((what, self._executor.submit(context.run, publish, *args)))
+
+    @contextlib.contextmanager
+    def publishing(self) -> Iterator[None]:
+        """A run's iterations: what they hand over is all published when the block ends (the run completed or
+        stopped early); when it raises, what has not started is dropped: a stopped or failed run does not wait on the
+        API for its view."""
+        try:
+            yield
+        except BaseException:
+            self.finish(wait=False)
+            raise
+        self.finish(wait=True)
 
     def finish(self, wait: bool = True) -> None:
         """Wait for what was handed over (`wait`), or drop what has not started (a run stopped or failed: it

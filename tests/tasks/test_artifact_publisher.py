@@ -10,6 +10,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from redteam_grpo.tasks.artifacts import BackgroundPublisher
 
 RUN = contextvars.ContextVar("run", default=None)
@@ -22,10 +24,10 @@ def test_publications_run_in_order_in_another_thread_each_with_the_context_it_wa
         time.sleep(0.01 * (3 - number))  # the first is the slowest: order is kept, not finishing order
         seen.append((number, RUN.get(), threading.current_thread() is threading.main_thread()))
 
-    for number in range(3):
-        RUN.set(f"iteration-{number}")  # as each iteration's task run is the context its artifacts belong to
-        publisher.submit(f"the artifacts of iteration {number}", publish, number)
-    publisher.finish()
+    with publisher.publishing():  # the run's iterations: all published when they end
+        for number in range(3):
+            RUN.set(f"iteration-{number}")  # as each iteration's task run is the context its artifacts belong to
+            publisher.submit(f"the artifacts of iteration {number}", publish, number)
     assert seen == [(n, f"iteration-{n}", False) for n in range(3)]
 
 
@@ -54,10 +56,11 @@ def test_a_stopped_run_does_not_wait_for_publications_and_drops_those_not_starte
             release.wait(30)  # an API that does not answer
         seen.append(number)
 
-    publisher.submit("the artifacts of iteration 0", publish, 0)
-    publisher.submit("the artifacts of iteration 1", publish, 1)
     began = time.perf_counter()
-    publisher.finish(wait=False)
+    with pytest.raises(KeyboardInterrupt), publisher.publishing():  # the run's iterations, stopped by a Ctrl-C
+        publisher.submit("the artifacts of iteration 0", publish, 0)
+        publisher.submit("the artifacts of iteration 1", publish, 1)
+        raise KeyboardInterrupt
     assert time.perf_counter() - began < 5  # not the 30 s the first one waits
     release.set()
     for _ in range(100):  # the one under way ends on its own; the one not started never runs
