@@ -18,6 +18,20 @@ from redteam_grpo.storage.rundir import RunDir
 from redteam_grpo.storage.stages import Stage
 from redteam_grpo.tasks.logs import stage_logger
 
+# Each shard task with the run's retries, made once per process: `Task.with_options` builds a new Task (its key, its
+# signature), ~3 ms, and a stage asked for it at every call. Keyed by the function too, so a task whose `fn` is
+# replaced (a benchmark's timer, a test's patch) gets a copy of the new one.
+_RETRYING: dict[tuple[int, Callable[..., Any], int], tuple[Task, Task]] = {}
+
+
+def with_retries(shard_task: Task, retries: int) -> Task:
+    """`shard_task` with `retries` Prefect retries, the same Task object at every call for the same three."""
+    key = (id(shard_task), shard_task.fn, retries)
+    found = _RETRYING.get(key)
+    if found is None or found[0] is not shard_task:
+        found = _RETRYING[key] = (shard_task, shard_task.with_options(retries=retries))
+    return found[1]
+
 
 def _as_dict(stats: Any) -> dict[str, Any]:
     return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
@@ -78,7 +92,7 @@ def run_sharded_stage(
     missing = [k for k in range(runtime.shards) if run.completed_part(stage, iteration, k) is None]
     if runtime.shards > 1:
         log.info("iteration %d: %s: %d of %d shards to compute", iteration, stage.name, len(missing), runtime.shards)
-    task = shard_task.with_options(retries=runtime.shard_retries)
+    task = with_retries(shard_task, runtime.shard_retries)
     root = str(absolute(run.root))  # a worker's working directory may be another
 
     def record(shard: int, result: tuple[str, int]) -> None:
