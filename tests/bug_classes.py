@@ -681,6 +681,13 @@ BUG_CLASSES = [
         "tests/flows/test_object_storage.py::test_a_damaged_part_on_object_storage_is_named_with_the_redo_that_recomputes_it",
     ),
     (
+        "stage-table-read-from-memory-after-its-file-changed",
+        "storage/rundir.py",
+        "        if found is not None and found[0] == version_of(path):",
+        "        if found is not None:",
+        "tests/storage/test_written_tables.py::test_a_file_replaced_by_another_writer_is_read_from_disk_not_from_memory",
+    ),
+    (
         "object-store-run-owned-twice",
         "storage/ownership.py",
         "previous, fd = _refuse_if_recorded(root, lock), -1",
