@@ -14,9 +14,11 @@ Prefect flow run completing, ~0.6 s once a run; TRL's trainer, none measurable):
 printed apart.
 
     pip install -e ".[bench]"     # trl, only for this benchmark
-    python bench/peer_trl.py [--sizes 64x2,256x4,512x8] [--steps 8]
+    python bench/peer_trl.py [--sizes 64x2,256x4,512x8] [--steps 8] [--rounds 1]
 
-Prints seconds per step and the ratio ours / TRL (target <= 1.0 where compute dominates).
+Prints seconds per step and the ratio ours / TRL (target <= 1.0 where compute dominates). On a machine whose speed
+drifts between runs by more than the gap measured (a shared 2-core VM: 10-25 % within minutes), `--rounds N` runs
+each kind N times, interleaved, and prints the ratio of each round beside the mean over all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -199,6 +202,13 @@ def child_env(prefect_home: str) -> dict[str, str]:
     return env
 
 
+PHASES = ("sample", "score", "train")
+
+
+def mean_phase(runs: list[dict], phase: str) -> float:
+    return sum(r[phase] for r in runs) / len(runs)
+
+
 def run_child(*args: str) -> dict:
     with tempfile.TemporaryDirectory() as home:
         command = [sys.executable, __file__, "--child", *args]
@@ -213,6 +223,13 @@ def main() -> None:
     parser.add_argument("--sizes", default="64x2,256x4,512x8", help="hidden x layers, comma-separated")
     parser.add_argument(
         "--steps", type=int, default=8, help="steps per run (the first, warm-up, and the last, the run's end, left out)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each kind, interleaved (trl, pipeline, plain; the next round starts with the next kind): the "
+        "table's seconds are the mean over every measured step of every round",
     )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -245,6 +262,7 @@ def main() -> None:
     for column in ("hidden x layers", "TRL", "ours: plain"):
         phases.add_column(column, justify="right")
     run_ends: dict[str, dict[str, float]] = {}
+    per_round: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as work:
         prompt_file = Path(work) / "prompts.jsonl"
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -252,16 +270,28 @@ def main() -> None:
             hidden, layers = (int(x) for x in size.split("x"))
             folder = Path(work) / f"qwen3-{hidden}x{layers}"
             build_model(folder, hidden, layers)
-            seconds, split, ends = {}, {}, {}
-            for kind in ("trl", "pipeline", "plain"):
-                with console.status(f"hidden {hidden}, {layers} layers: {kind} ..."):
-                    extra = [] if kind == "trl" else [str(prompt_file)]
-                    result = run_child(kind, str(folder), *extra, "--steps", str(args.steps))
-                seconds[kind] = sum(result["step_seconds"]) / len(result["step_seconds"])
-                split[kind], ends[kind] = result.get("phases"), result["run_end"]
+            kinds = ("trl", "pipeline", "plain")
+            steps: dict[str, list[float]] = {k: [] for k in kinds}
+            split: dict[str, list[dict]] = {k: [] for k in kinds}
+            ends: dict[str, list[float]] = {k: [] for k in kinds}
+            ratios: list[float] = []
+            for round_number in range(args.rounds):
+                # each round starts with another kind: a slow spell of the machine falls on each in turn
+                order = kinds[round_number % 3 :] + kinds[: round_number % 3]
+                means = {}
+                for kind in order:
+                    with console.status(f"hidden {hidden}, {layers} layers, round {round_number + 1}: {kind} ..."):
+                        extra = [] if kind == "trl" else [str(prompt_file)]
+                        result = run_child(kind, str(folder), *extra, "--steps", str(args.steps))
+                    steps[kind] += result["step_seconds"]
+                    means[kind] = sum(result["step_seconds"]) / len(result["step_seconds"])
+                    split[kind].append(result.get("phases"))
+                    ends[kind].append(result["run_end"])
+                ratios.append(means["pipeline"] / means["trl"])
+            seconds = {k: sum(v) / len(v) for k, v in steps.items()}
             phases.add_row(
                 size,
-                *(" | ".join(f"{split[k][p]:.2f}" for p in ("sample", "score", "train")) for k in ("trl", "plain")),
+                *(" | ".join(f"{mean_phase(split[k], p):.2f}" for p in PHASES) for k in ("trl", "plain")),
             )
             table.add_row(
                 size,
@@ -271,9 +301,17 @@ def main() -> None:
                 f"{seconds['pipeline'] / seconds['trl']:.2f}x",
                 f"{seconds['plain'] / seconds['trl']:.2f}x",
             )
-            run_ends[size] = ends
+            if args.rounds > 1:
+                per_round[size] = ratios
+            run_ends[size] = {k: sum(v) / len(v) for k, v in ends.items()}
     console.print(table)
     console.print(phases)
+    for size, ratios in per_round.items():
+        ordered = sorted(ratios)
+        console.print(
+            f"{size}: pipeline / TRL in each round {', '.join(f'{r:.2f}x' for r in ratios)}; median "
+            f"{statistics.median(ordered):.2f}x, spread {ordered[0]:.2f}-{ordered[-1]:.2f}x"
+        )
     for size, end in run_ends.items():
         console.print(
             f"{size}: the run's end, once a run (left out above): "
