@@ -64,15 +64,19 @@ def test_a_file_damaged_after_it_was_recorded_is_refused_though_its_table_is_in_
         run.read(ADVANTAGE, 0)
 
 
-def test_the_oldest_tables_are_dropped_beyond_the_bound_and_a_larger_one_is_never_kept(tmp_path):
+@pytest.mark.parametrize("bound", ["bytes", "tables"])
+def test_the_oldest_tables_are_dropped_beyond_either_bound_and_a_larger_one_is_never_kept(tmp_path, bound):
     small, large = _advantages(0.5), _advantages(0.5, rows=400)
-    tables = WrittenTables(max_bytes=2 * small.nbytes)
+    tables = WrittenTables(max_bytes=2 * small.nbytes, max_tables=10) if bound == "bytes" else WrittenTables(2**30, 2)
     paths = [tmp_path / f"{k}.parquet" for k in range(3)]
-    for path in paths:
+    for path in [*paths, paths[1]]:  # the second written again: kept once, as the newest
         pq.write_table(small, path)
         tables.put(path, small)
     assert [tables.read(p, schemas.ADVANTAGES) is small for p in paths] == [False, True, True]
-    pq.write_table(large, paths[0])
-    tables.put(paths[0], large)
-    assert tables.read(paths[0], schemas.ADVANTAGES) is not large
-    assert tables.read(paths[0], schemas.ADVANTAGES).num_rows == 400
+    tables.put(paths[0], small)  # the oldest now is the third
+    assert [tables.read(p, schemas.ADVANTAGES) is small for p in paths] == [True, True, False]
+    if bound == "bytes":
+        pq.write_table(large, paths[0])
+        tables.put(paths[0], large)
+        assert tables.read(paths[0], schemas.ADVANTAGES) is not large
+        assert tables.read(paths[0], schemas.ADVANTAGES).num_rows == 400
