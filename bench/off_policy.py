@@ -5,9 +5,9 @@ The engine (`redteam-grpo serve-sampler`, vLLM's CPU build in bfloat16) is pinne
 (score, advantage, train step, checkpoint) to core 1, one thread each, so the two sides compete for nothing but what
 the pipeline makes them wait for. Two models: a random-weight Qwen3 of hidden 512 and 8 layers (the bench/peer_trl.py
 work: 4 prompts x G 8 x 32 tokens, LoRA r16), and the embedded default. The first two iterations are left out
-(warm-up; one step off-policy draws both with the initial adapter), and the last has nothing to draw ahead: with
-fewer than 8 iterations the figures are mostly the run's ends (4 iterations measured 0.88x on the embedded default,
-where 8 measured 1.57x).
+(warm-up; one step off-policy draws both with the initial adapter), and so is the last (it has nothing to draw ahead,
+and ends in the run's end): each iteration is timed from its start to the next one's. With fewer than 8 iterations
+the figures are mostly warm-up.
 
     python bench/off_policy.py [--models 512x8,embedded] [--iterations 8]
     python bench/off_policy.py --parity [--seeds 0,1,2] [--iterations 30] [--set KEY=VALUE]  # learning parity
@@ -111,12 +111,16 @@ def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> d
 
 
 def summary(result: dict, warmup: int = 2) -> dict[str, float]:
-    """Seconds per iteration after `warmup`: wall, each stage's, and each side's wait."""
-    starts, end = result["starts"], result["end"]
-    begin, n = starts[warmup], len(starts) - warmup
-    spans = [(name, i, a, b) for name, i, a, b in result["spans"] if a >= begin]
+    """Seconds per iteration after `warmup`, from its start to the last iteration's start: wall, each stage's (the
+    stages that began in that window), and each side's wait. The last iteration is left out, as in bench/peer_trl.py:
+    it ends in the run's end (the Prefect flow run completing, ~0.5 s once a run), which no iteration costs."""
+    starts = result["starts"]
+    begin, stop, n = starts[warmup], starts[-1], len(starts) - 1 - warmup
+    if n < 1:
+        raise SystemExit(f"measure at least {warmup + 2} iterations: {warmup} warm-up, 1 measured, the last left out")
+    spans = [(name, i, a, b) for name, i, a, b in result["spans"] if begin <= a < stop]
     stage = {name: sum(b - a for s, _, a, b in spans if s == name) / n for name in ("sample", *TRAINER_STAGES)}
-    wall = (end - begin) / n
+    wall = (stop - begin) / n
     train = sum(stage[name] for name in TRAINER_STAGES)
     return {"wall": wall, **stage, "engine waits": wall - stage["sample"], "trainer waits": wall - train}
 
