@@ -103,11 +103,10 @@ def child(iterations: int, overrides: list[str], uncorrected: bool = False) -> d
     flow.iteration_task.fn = marked
     with tempfile.TemporaryDirectory() as runs:
         attack.attack_run(overrides=[*overrides, *bench_run(iterations, runs)])
-        end = time.perf_counter()
         run = RunDir.open(Path(runs) / "bench")
         rows = [run.read(TRAIN_STEP, i).to_pylist()[0] for i in range(iterations)]
     metrics = {name: [row.get(name) for row in rows] for name in DIAGNOSTICS}
-    return {"starts": starts, "end": end, "spans": spans, "rewards": [row["reward_mean"] for row in rows], **metrics}
+    return {"starts": starts, "spans": spans, "rewards": [row["reward_mean"] for row in rows], **metrics}
 
 
 def summary(result: dict, warmup: int = 2) -> dict[str, float]:

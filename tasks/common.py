@@ -19,18 +19,17 @@ from redteam_grpo.storage.stages import Stage
 from redteam_grpo.tasks.logs import stage_logger
 
 # Each shard task with the run's retries, made once per process: `Task.with_options` builds a new Task (its key, its
-# signature), ~3 ms, and a stage asked for it at every call. Keyed by the function too, so a task whose `fn` is
+# signature), ~1.5 ms, and a stage asked for it at every call. Keyed by the function too, so a task whose `fn` is
 # replaced (a benchmark's timer, a test's patch) gets a copy of the new one.
-_RETRYING: dict[tuple[int, Callable[..., Any], int], tuple[Task, Task]] = {}
+_RETRYING: dict[tuple[Task, Callable[..., Any], int], Task] = {}
 
 
 def with_retries(shard_task: Task, retries: int) -> Task:
     """`shard_task` with `retries` Prefect retries, the same Task object at every call for the same three."""
-    key = (id(shard_task), shard_task.fn, retries)
-    found = _RETRYING.get(key)
-    if found is None or found[0] is not shard_task:
-        found = _RETRYING[key] = (shard_task, shard_task.with_options(retries=retries))
-    return found[1]
+    key = (shard_task, shard_task.fn, retries)  # a Task hashes by identity
+    if key not in _RETRYING:
+        _RETRYING[key] = shard_task.with_options(retries=retries)
+    return _RETRYING[key]
 
 
 def _as_dict(stats: Any) -> dict[str, Any]:
