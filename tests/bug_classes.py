@@ -27,6 +27,7 @@ import argparse
 import atexit
 import importlib.util
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import shutil
@@ -37,6 +38,7 @@ import threading
 import time
 import tomllib
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -833,6 +835,27 @@ def _pytest_in_copy(copy: Path, tests: list[str], log: Path) -> None:
     sys.exit(code)
 
 
+# Held by a thread that starts a fork or reads one's exit code (run_in_fork says why).
+FORK_EXIT_CODES = threading.Lock()
+
+
+def run_in_fork(target: Callable[..., object], args: tuple) -> int:
+    """`target(*args)` in a child of multiprocessing's fork server; its exit code. Safe from several threads at once.
+
+    Process.start() polls every live child of this process, other threads' included, and a fork server child's
+    exit code is 8 bytes on a pipe: two threads reading it at once leave one an EOF, which multiprocessing
+    reports as exit code 255 (a caught class reported MISSED; 45 of 600 forks from 4 threads in a bare script). The
+    start and the read are serialised; the wait for the end is not.
+    """
+    fork = multiprocessing.get_context("forkserver").Process(target=target, args=args)
+    with FORK_EXIT_CODES:
+        fork.start()
+    multiprocessing.connection.wait([fork.sentinel])
+    with FORK_EXIT_CODES:
+        fork.join()
+    return fork.exitcode
+
+
 def check(copy: Path, relative: str, correct: str, bug: str, tests: str) -> tuple[bool, str]:
     """Put the bug into `copy`, run its tests, put the correct code back; (caught, pytest's last line)."""
     path = copy / relative
@@ -840,18 +863,14 @@ def check(copy: Path, relative: str, correct: str, bug: str, tests: str) -> tupl
     path.write_text(source.replace(correct, bug))
     log = copy.parent / f"{copy.name}.log"
     try:
-        fork = multiprocessing.get_context("forkserver").Process(
-            target=_pytest_in_copy, args=(copy, tests.split(), log)
-        )
-        fork.start()
-        fork.join()
+        exitcode = run_in_fork(_pytest_in_copy, (copy, tests.split(), log))
     finally:
         path.write_text(source)
     output = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
     summary = (output or ["(no output)"])[-1]
-    if fork.exitcode not in (0, 1):
-        summary = f"pytest ended with {fork.exitcode}: " + " | ".join(output[-5:])
-    return fork.exitcode == 1, summary  # 1: tests ran and failed (not a collection or usage error)
+    if exitcode not in (0, 1):
+        summary = f"pytest ended with {exitcode}: " + " | ".join(output[-5:])
+    return exitcode == 1, summary  # 1: tests ran and failed (not a collection or usage error)
 
 
 def main(argv: list[str]) -> int:

@@ -175,6 +175,64 @@ def test_the_bug_class_catalogue_and_the_harness_name_the_same_classes_and_tests
     assert unnamed == [], "tests the harness runs for a class that its section does not name"
 
 
+def test_the_bug_class_harness_reads_a_forks_exit_code_alone_while_another_thread_starts_a_fork(monkeypatch):
+    """A fork's exit code read as 255 reports a caught class MISSED (a CI run was refused for it).
+
+    multiprocessing's Process.start() polls every live child of the process, other threads' too, and a fork
+    server child's exit code is 8 bytes on a pipe: two threads reading them at once leave one an EOF, read as
+    255. Left to chance that meeting is rare (1 or 2 of 400 forks from 4 threads here); this test arranges it:
+    the first fork's own read of its exit code waits for a second reader, which another thread's start() would
+    be, and lets that one read first.
+    """
+    import multiprocessing.forkserver
+    import sys
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.bug_classes import run_in_fork
+
+    read_signed = multiprocessing.forkserver.read_signed
+    first_thread, first_sentinel = threading.get_ident(), []
+    first_reading, other_has_read = threading.Event(), threading.Event()
+    two_readers = threading.Barrier(2, timeout=1.0)
+
+    def read_signed_meeting(fd: int) -> int:
+        caller = sys._getframe(1).f_code.co_name  # "_launch" reads the child's pid, "poll" its exit code
+        if caller != "poll" or first_sentinel != [fd]:
+            if caller == "_launch" and threading.get_ident() == first_thread:
+                first_sentinel.append(fd)
+            return read_signed(fd)
+        if threading.get_ident() == first_thread:  # the first fork's own read of its exit code
+            first_reading.set()
+            try:
+                two_readers.wait()
+            except threading.BrokenBarrierError:  # no other reader came: the harness's way
+                return read_signed(fd)
+            else:
+                other_has_read.wait(timeout=5)
+                time.sleep(0.05)  # the other reader's poll stores what it read before this one reads the EOF
+                return read_signed(fd)
+            finally:
+                first_sentinel.clear()  # its number may be the next fork's
+        two_readers.wait()
+        try:
+            return read_signed(fd)
+        finally:
+            other_has_read.set()
+
+    monkeypatch.setattr(multiprocessing.forkserver, "read_signed", read_signed_meeting)
+
+    def second_fork() -> int:
+        assert first_reading.wait(timeout=60), "the first fork never ended"
+        return run_in_fork(sys.exit, (8,))
+
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(second_fork)
+        first = run_in_fork(sys.exit, (7,))
+        assert (first, second.result()) == (7, 8)
+
+
 def test_every_shipped_config_is_valid_for_its_mode():
     import yaml
 
