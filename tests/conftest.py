@@ -12,7 +12,10 @@ from tests import environment  # plain settings: imports nothing else
 
 environment.apply()
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="redteam-grpo-tests-"))
-os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect"))
+# Each test process a Prefect home of its own, and so a database: pytest-xdist's workers inherit the environment of
+# the process that starts them, which has loaded this file too, and the runs of two workers' CLI tests would start
+# their temporary API servers on one SQLite file (a write then can fail with "database is locked").
+os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", None)
 # The embedded assets are built once per machine (deterministic); tests share the user cache unless told.

@@ -1,5 +1,6 @@
 """The README's promises that a fresh machine depends on."""
 
+import os
 import shlex
 from pathlib import Path
 
@@ -231,6 +232,22 @@ def test_the_bug_class_harness_reads_a_forks_exit_code_alone_while_another_threa
         second = pool.submit(second_fork)
         first = run_in_fork(sys.exit, (7,))
         assert (first, second.result()) == (7, 8)
+
+
+def test_the_bug_class_harness_stops_a_fork_that_runs_past_its_time():
+    import signal
+    import time
+
+    from tests.bug_classes import run_in_fork
+
+    began = time.monotonic()
+    assert run_in_fork(time.sleep, (120,), timeout=1.0) == -signal.SIGKILL
+    assert time.monotonic() - began < 60  # not the 120 s it would sleep
+
+
+def test_each_test_process_has_a_prefect_home_of_its_own(session_tmp):
+    # under `pytest -n`, a worker's home, inherited from the process that started it, would be that process's
+    assert Path(os.environ["PREFECT_HOME"]) == session_tmp / "prefect"
 
 
 def test_every_shipped_config_is_valid_for_its_mode():
