@@ -31,6 +31,7 @@ import multiprocessing.connection
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -835,12 +836,16 @@ def _pytest_in_copy(copy: Path, tests: list[str], log: Path) -> None:
     sys.exit(code)
 
 
+# An entry's tests that run longer hang (the longest took 86 s in CI): they are stopped and the entry MISSED, so
+# that one hang does not hold CI past its limit.
+ENTRY_TIMEOUT_SECONDS = 600.0
 # Held by a thread that starts a fork or reads one's exit code (run_in_fork says why).
 FORK_EXIT_CODES = threading.Lock()
 
 
-def run_in_fork(target: Callable[..., object], args: tuple) -> int:
-    """`target(*args)` in a child of multiprocessing's fork server; its exit code. Safe from several threads at once.
+def run_in_fork(target: Callable[..., object], args: tuple, timeout: float | None = None) -> int:
+    """`target(*args)` in a child of multiprocessing's fork server; its exit code, -9 (SIGKILL) where it ran past
+    `timeout` seconds and was killed. Safe from several threads at once.
 
     Process.start() polls every live child of this process, other threads' included, and a fork server child's
     exit code is 8 bytes on a pipe: two threads reading it at once leave one an EOF, which multiprocessing
@@ -850,7 +855,8 @@ def run_in_fork(target: Callable[..., object], args: tuple) -> int:
     fork = multiprocessing.get_context("forkserver").Process(target=target, args=args)
     with FORK_EXIT_CODES:
         fork.start()
-    multiprocessing.connection.wait([fork.sentinel])
+    if not multiprocessing.connection.wait([fork.sentinel], timeout):
+        fork.kill()
     with FORK_EXIT_CODES:
         fork.join()
     return fork.exitcode
@@ -863,12 +869,14 @@ def check(copy: Path, relative: str, correct: str, bug: str, tests: str) -> tupl
     path.write_text(source.replace(correct, bug))
     log = copy.parent / f"{copy.name}.log"
     try:
-        exitcode = run_in_fork(_pytest_in_copy, (copy, tests.split(), log))
+        exitcode = run_in_fork(_pytest_in_copy, (copy, tests.split(), log), ENTRY_TIMEOUT_SECONDS)
     finally:
         path.write_text(source)
     output = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
     summary = (output or ["(no output)"])[-1]
-    if exitcode not in (0, 1):
+    if exitcode == -signal.SIGKILL:
+        summary = f"stopped after {ENTRY_TIMEOUT_SECONDS:.0f} s: " + " | ".join(output[-5:])
+    elif exitcode not in (0, 1):
         summary = f"pytest ended with {exitcode}: " + " | ".join(output[-5:])
     return exitcode == 1, summary  # 1: tests ran and failed (not a collection or usage error)
 
