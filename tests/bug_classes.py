@@ -875,7 +875,8 @@ def check(copy: Path, relative: str, correct: str, bug: str, tests: str) -> tupl
     output = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
     summary = (output or ["(no output)"])[-1]
     if exitcode == -signal.SIGKILL:
-        summary = f"stopped after {ENTRY_TIMEOUT_SECONDS:.0f} s: " + " | ".join(output[-5:])
+        # killed here past its time, or by the kernel out of memory: the exit code cannot tell which
+        summary = f"killed (past {ENTRY_TIMEOUT_SECONDS:.0f} s or out of memory): " + " | ".join(output[-5:])
     elif exitcode not in (0, 1):
         summary = f"pytest ended with {exitcode}: " + " | ".join(output[-5:])
     return exitcode == 1, summary  # 1: tests ran and failed (not a collection or usage error)
